@@ -89,8 +89,9 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     """
     scratch = _Scratch()
     total = 0.0
-    for a in arrays:
-        total += _power_sum_one(a, p, scratch)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
+        for a in arrays:
+            total += _power_sum_one(a, p, scratch)
     if _SAFE_LO <= total <= _SAFE_HI:
         return total, False
     if total == 0.0 and not any(np.any(c) for a in arrays for c in iter_chunks(a)):
