@@ -102,39 +102,74 @@ def norm_program(
 ) -> Program:
     """One rank's part of the norm: yields collectives, returns a NormInfo.
 
-    ``check`` runs first; whatever it (or the local reduction) raises becomes
-    this rank's error flag in the header, and every rank raises it together.
+    All local work happens before the header, so whatever ``check`` or the
+    local reduction raises becomes this rank's error flag, and every rank
+    raises it together. After the header nothing rank-specific can fail.
     """
-    strategy, p = spec.strategy, spec.norm_type
+    strategy = spec.strategy
     error: BaseException | None = None
-    counted: Sequence[np.ndarray] = arrays
-    local_power, rescue, count = 0.0, False, 0
-    binned = partials.BinnedPowerSum(p) if spec.reproducible and math.isfinite(p) else None
+    local = _Local()
     try:
         if check is not None:
             check()
-        counted = _counted(arrays, replicated, rank, strategy)
-        count = sum(a.size for a in counted)
-        if math.isfinite(p) and binned is None:
-            if strategy.accumulate == "float16":  # the fp16 bug: a half-precision sum
-                local_power = partials.half_power_sum(counted, p)
-            else:
-                local_power, rescue = partials.power_sum(counted, p)
+        local = _local(arrays, spec, rank, replicated)
     except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
         error = exc
 
     h1, h2 = spec.fingerprint()
     header = np.zeros(HEADER_SIZE)
-    header[[_ERR, _H1, _H1SQ, _H2, _H2SQ, _COUNT]] = [error is not None, h1, h1 * h1, h2, h2 * h2, count]
-    shared = strategy.scope == "all" or (strategy.scope == "root" and rank == 0)
-    if shared and strategy.share == "power":
-        header[_SUM] = local_power
-        header[_RESCUE] = rescue
+    header[[_ERR, _H1, _H1SQ, _H2, _H2SQ, _COUNT]] = [
+        error is not None,
+        h1,
+        h1 * h1,
+        h2,
+        h2 * h2,
+        local.count,
+    ]
+    if _shares(strategy, rank) and strategy.share == "power":
+        header[[_SUM, _RESCUE]] = [local.power, local.rescue]
     total = yield Reduce(header)
     yield from _agree(total, error, spec, size)
 
-    info = yield from _combine(counted, spec, binned, rank, size, local_power, rescue, total)
-    return info._replace(count=int(total[_COUNT]), ranks=size)
+    norm, power = yield from _combine(local, spec, rank, total)
+    norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
+    return NormInfo(norm, local.norm, local.power, int(total[_COUNT]), size)
+
+
+class _Local(NamedTuple):
+    """What a rank knows of its own arrays before any collective."""
+
+    counted: Sequence[np.ndarray] = ()
+    count: int = 0
+    power: float = 0.0  # sum |x|**p (finite p), max |x| (inf)
+    rescue: bool = False  # the plain sum overflowed or underflowed
+    nan: bool = False  # inf-norm: a NaN was seen
+    part: np.ndarray | None = None  # reproducible mode: the binned digits
+    norm: float = 0.0  # this rank's own norm
+
+
+def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _Local:
+    strategy, p = spec.strategy, spec.norm_type
+    counted = _counted(arrays, replicated, rank, strategy)
+    count = sum(a.size for a in counted)
+    if math.isinf(p):
+        top, nan = partials.max_abs(counted)
+        return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top)
+    if spec.reproducible:
+        binned = partials.BinnedPowerSum(p)
+        part = binned.local(counted)
+        return _Local(counted, count, _as_float(binned.exact(part)), part=part, norm=binned.norm(part))
+    if strategy.accumulate == "float16":  # the fp16 bug: a half-precision sum
+        power = partials.half_power_sum(counted, p)
+        return _Local(counted, count, power, norm=partials.root(power, 0, p))
+    power, rescue = partials.power_sum(counted, p)
+    norm = _run_local(_rescued(counted, p, None)) if rescue else partials.root(power, 0, p)
+    return _Local(counted, count, power, rescue, norm=norm)
+
+
+def _shares(strategy: Strategy, rank: int) -> bool:
+    """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
+    return strategy.scope == "all" or (strategy.scope == "root" and rank == 0)
 
 
 def _counted(
@@ -160,90 +195,60 @@ def _agree(total: np.ndarray, error: BaseException | None, spec: Spec, size: int
     raise AgreedError.from_reports(reports, mismatch=bool(mismatch) and not total[_ERR])
 
 
-def _combine(
-    counted, spec: Spec, binned, rank: int, size: int, local_power: float, rescue: bool, total: np.ndarray
-) -> Generator:
-    """The strategy's combine and finish, after the header."""
+def _combine(local: _Local, spec: Spec, rank: int, total: np.ndarray) -> Generator:
+    """The strategy's combine: (the norm it clips by, the power sum as (mant, exp) if known)."""
     strategy, p = spec.strategy, spec.norm_type
-    together = strategy.scope != "self"  # scope "self" never talks to other ranks
-    root_only = strategy.scope == "root"
+    if strategy.scope == "self":  # no other rank is asked
+        return local.norm, (local.power, 0)
+    shares = _shares(strategy, rank)
 
-    def mask(vec: np.ndarray, fill: float = 0.0) -> np.ndarray:
-        if root_only and rank != 0:
-            vec = np.full_like(vec, fill)
-        return vec
+    def mine(vec: list[float], fill: float = 0.0) -> np.ndarray:
+        return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
 
-    if not math.isfinite(p):  # inf-norm: MAX of max|x|, NaN as a flag
-        local_max, nan = partials.max_abs(counted)
-        local_norm = math.nan if nan else local_max
-        if strategy.share == "norm" or not together:
-            combined = local_norm
-        else:
-            got = yield Reduce(mask(np.array([local_max, float(nan)]), -1.0), "max")
-            combined = math.nan if got[1] > 0 else float(got[0])
-        if strategy.share == "norm" and together:
-            got = yield Reduce(mask(np.array([local_norm])), strategy.norm_op)
-            combined = float(got[0])
-        return _finish(strategy, p, combined, local_norm, local_norm, total, size)
-
-    if binned is not None:  # reproducible: exact integer digits, one SUM
-        part = binned.local(counted)
-        local_norm = binned.norm(part)
-        local_power = _as_float(binned.exact(part))
-        if strategy.share == "power" and together:
-            part = yield Reduce(mask(part))
-            return _finish(
-                strategy, p, binned.norm(part), local_norm, local_power, total, size, power=binned.power(part)
-            )
-        combined_power = binned.power(part)
-    else:
-        if rescue and not together:  # local rescue, no collective
-            local_norm = yield from _rescued(counted, p, None)
-        else:
-            local_norm = partials.root(local_power, 0, p)
-        if strategy.share == "power" and together:
-            if total[_RESCUE]:
-                norm = yield from _rescued(counted, p, mask)
-                return _finish(strategy, p, norm, local_norm, local_power, total, size)
-            return _finish(
-                strategy,
-                p,
-                partials.root(total[_SUM], 0, p),
-                local_norm,
-                local_power,
-                total,
-                size,
-                power=(total[_SUM], 0),
-            )
-        combined_power = (local_power, 0)
-
-    if strategy.share == "norm" and together:  # the norm-sharing bugs: one more collective
-        got = yield Reduce(mask(np.array([local_norm])), strategy.norm_op)
-        return _finish(strategy, p, float(got[0]), local_norm, local_power, total, size)
-    # scope "self": this rank's own norm is all it knows
-    return _finish(strategy, p, local_norm, local_norm, local_power, total, size, power=combined_power)
+    if strategy.share == "norm":  # the norm-sharing bugs: local norms combined
+        got = yield Reduce(mine([local.norm]), strategy.norm_op)
+        return float(got[0]), None
+    if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
+        got = yield Reduce(mine([local.power, float(local.nan)], -1.0), "max")
+        return (math.nan if got[1] > 0 else float(got[0])), None
+    if local.part is not None:  # reproducible: integer digit counts, exact in any order
+        binned = partials.BinnedPowerSum(p)
+        got = yield Reduce(local.part if shares else np.zeros_like(local.part))
+        return binned.norm(got), binned.power(got)
+    if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
+        norm = yield from _rescued(local.counted if shares else (), p, mine)
+        return norm, None
+    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)
 
 
-def _rescued(counted, p: float, mask) -> Generator:
-    """Two-pass scaled norm when the plain sum overflowed or underflowed."""
-    local_max, nan = partials.max_abs(counted)
-    if mask is None:
-        gmax, gnan = local_max, nan
-    else:
-        got = yield Reduce(mask(np.array([local_max, float(nan)]), -1.0), "max")
-        gmax, gnan = float(got[0]), bool(got[1] > 0)
-    if gnan:
+def _rescued(counted, p: float, mine) -> Generator:
+    """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
+
+    ``mine`` builds this rank's contribution to a collective; None: this rank alone.
+    """
+    top, nan = partials.max_abs(counted)
+    if mine is not None:
+        got = yield Reduce(mine([top, float(nan)], -1.0), "max")
+        top, nan = float(got[0]), bool(got[1] > 0)
+    if nan:
         return math.nan
-    if gmax == 0.0 or math.isinf(gmax):
-        return gmax
-    exponent = math.frexp(gmax)[1]
-    local = partials.scaled_power_sum(counted, p, exponent)
-    if mask is None:
-        s = local
-    else:
-        got = yield Reduce(mask(np.array([local])))
+    if top == 0.0 or math.isinf(top):
+        return top
+    exponent = math.frexp(top)[1]
+    s = partials.scaled_power_sum(counted, p, exponent)
+    if mine is not None:
+        got = yield Reduce(mine([s]))
         s = float(got[0])
     return partials.root(s, exponent, p)
+
+
+def _run_local(program: Generator) -> Any:
+    """Run a generator that yields no collective (a rank working alone)."""
+    try:
+        next(program)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a local computation asked for a collective")  # pragma: no cover
 
 
 def _as_float(x) -> float:
@@ -251,20 +256,6 @@ def _as_float(x) -> float:
         return float(x)
     except OverflowError:
         return math.inf
-
-
-def _finish(
-    strategy: Strategy,
-    p: float,
-    norm: float,
-    local_norm: float,
-    local_power: float,
-    total: np.ndarray,
-    size: int,
-    power: tuple[float, int] | None = None,
-) -> NormInfo:
-    norm = strategy.finish(norm=norm, p=p, count=int(total[_COUNT]), ranks=size, power=power)
-    return NormInfo(norm, local_norm, local_power, int(total[_COUNT]), size)
 
 
 # ---------------------------------------------------------------------------
