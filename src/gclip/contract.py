@@ -55,7 +55,10 @@ def validate_limit(limit: object, name: str = "limit") -> float:
     """A finite, non-negative real number, or a one-line error."""
     if not _is_number(limit):
         raise GclipTypeError(f"{name} must be a number, got {type(limit).__name__}")
-    value = float(limit)  # type: ignore[arg-type]
+    try:
+        value = float(limit)  # type: ignore[arg-type]
+    except OverflowError:
+        raise GclipValueError(f"{name} must be finite and >= 0, got an integer beyond float") from None
     if not math.isfinite(value) or value < 0:
         raise GclipValueError(f"{name} must be finite and >= 0, got {value!r}")
     return value
@@ -72,7 +75,10 @@ def validate_shards(shards: object) -> list[list[float]]:
         for j, v in enumerate(shard):
             if not _is_number(v):
                 raise GclipTypeError(f"shard {i} item {j} must be a number, got {type(v).__name__}")
-        out.append([float(v) for v in shard])
+        try:
+            out.append([float(v) for v in shard])
+        except OverflowError:
+            raise GclipValueError(f"shard {i} holds an integer too large for a float") from None
     return out
 
 

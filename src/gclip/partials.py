@@ -165,6 +165,7 @@ def scaled_power_sum(arrays: Sequence[np.ndarray], p: float, exponent: int) -> f
 
 def root(mant: float, exp: int, p: float) -> float:
     """(mant * 2**(p*exp)) ** (1/p) without overflow in the middle."""
+    mant = float(mant)
     if mant == 0.0 or not math.isfinite(mant):
         return mant
     r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
