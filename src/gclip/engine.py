@@ -155,13 +155,13 @@ def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _
     if math.isinf(p):
         top, nan = partials.max_abs(counted)
         return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top)
+    if strategy.accumulate == "float16":  # the fp16 bug, even when reproducible
+        power = partials.half_power_sum(counted, p)
+        return _Local(counted, count, power, norm=partials.root(power, 0, p))
     if spec.reproducible:
         binned = partials.BinnedPowerSum(p)
         part = binned.local(counted)
         return _Local(counted, count, _as_float(binned.exact(part)), part=part, norm=binned.norm(part))
-    if strategy.accumulate == "float16":  # the fp16 bug: a half-precision sum
-        power = partials.half_power_sum(counted, p)
-        return _Local(counted, count, power, norm=partials.root(power, 0, p))
     power, rescue = partials.power_sum(counted, p)
     norm = _run_local(_rescued(counted, p, None)) if rescue else partials.root(power, 0, p)
     return _Local(counted, count, power, rescue, norm=norm)
