@@ -17,7 +17,7 @@ import numpy as np
 
 from . import engine, strategies
 from .contract import validate_limit
-from .errors import GclipTypeError, GclipValueError, NonFiniteNormError
+from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["ClipResult", "apply_scale", "clip_by_global_norm", "clip_simulated", "global_norm"]
 
@@ -74,43 +74,61 @@ def _norm_type(norm_type: Any) -> float:
 
 
 class _Call(NamedTuple):
+    """One rank's checked arguments (or the error to agree on)."""
+
     arrays: list[np.ndarray]
     single: bool
     spec: engine.Spec
+    max_norm: float
+    error_if_nonfinite: bool
+    inplace: bool
+    replicated: Sequence[bool] | None
     error: BaseException | None
+
+
+_NO_LIMIT = object()  # global_norm: no max_norm to check
 
 
 def _prepare(
     grads: Any,
     max_norm: Any,
+    *,
     norm_type: Any,
-    mode: str,
-    inplace: bool,
-    reproducible: bool,
-    error_if_nonfinite: bool,
+    mode: Any,
+    inplace: bool = False,
+    reproducible: bool = False,
+    error_if_nonfinite: bool = False,
+    replicated: Sequence[bool] | None = None,
 ) -> _Call:
-    """Check every argument; an error is kept, to be agreed on by all ranks."""
+    """Check every argument; an error is kept, to be agreed on by all ranks.
+
+    The fingerprint that ranks compare holds the checked values (1 and 1.0 are
+    the same limit) and the size of the replicated arrays (which must match).
+    """
     arrays: list[np.ndarray] = []
     single = True
-    strategy = strategies.GLOBAL
-    p = 2.0
-    extra: tuple = (("max_norm", max_norm), ("error_if_nonfinite", error_if_nonfinite))
+    strategy, p, limit = strategies.GLOBAL, 2.0, math.nan
+    error: BaseException | None = None
+    extra: tuple = ()
     try:
         strategy = strategies.get(mode)
         p = _norm_type(norm_type)
-        if max_norm is not None:
-            validate_limit(max_norm, "max_norm")
+        if max_norm is not _NO_LIMIT:
+            limit = validate_limit(max_norm, "max_norm")
         if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
             raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
         arrays, single = _as_arrays(grads, inplace)
+        extra = (("max_norm", limit), ("error_if_nonfinite", bool(error_if_nonfinite)))
+        if replicated is not None:
+            flags = [bool(f) for f in replicated]
+            if len(flags) != len(arrays):
+                raise GclipValueError(f"replicated has {len(flags)} flags for {len(arrays)} arrays")
+            replicated = flags
+            extra += (("replicated_elements", sum(a.size for a, f in zip(arrays, flags) if f)),)
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
-        return _Call([], single, engine.Spec(strategy, p, bool(reproducible), extra), exc)
-    return _Call(arrays, single, engine.Spec(strategy, p, bool(reproducible), extra), None)
-
-
-def _raise(exc: BaseException | None) -> None:
-    if exc is not None:
-        raise exc
+        error, arrays, replicated = exc, [], None
+    spec = engine.Spec(strategy, p, bool(reproducible), extra)
+    return _Call(arrays, single, spec, limit, bool(error_if_nonfinite), inplace, replicated, error)
 
 
 def _world(comm: Any) -> Any:
@@ -121,23 +139,28 @@ def _world(comm: Any) -> Any:
     return comm
 
 
-def _finish(
-    call: _Call, info: engine.NormInfo, max_norm: float, inplace: bool, error_if_nonfinite: bool, grads: Any
-) -> ClipResult:
+def _program(call: _Call, rank: int, size: int) -> engine.Program:
+    def check() -> None:
+        if call.error is not None:
+            raise call.error
+
+    return engine.norm_program(
+        call.arrays,
+        call.spec,
+        rank=rank,
+        size=size,
+        replicated=call.replicated,
+        check=check,
+        error_if_nonfinite=call.error_if_nonfinite,
+    )
+
+
+def _finish(call: _Call, info: engine.NormInfo, grads: Any) -> ClipResult:
+    """The scale, applied. A non-finite norm was already raised on every rank if asked."""
     norm = info.norm
-    finite = math.isfinite(norm)
-    if not finite and error_if_nonfinite:
-        # every rank holds the same norm, so every rank raises here together
-        raise NonFiniteNormError(
-            f"the global {_pname(call.spec.norm_type)} norm is {norm!r} (error_if_nonfinite=True)"
-        )
-    scale = call.spec.strategy.scale(norm, float(max_norm))
-    out = _scaled(call.arrays, call.single, scale, inplace, grads)
-    return ClipResult(out, norm, scale, finite, info.local_norm, info.local_power)
-
-
-def _pname(p: float) -> str:
-    return "inf" if math.isinf(p) else f"{p:g}"
+    scale = call.spec.strategy.scale(norm, call.max_norm)
+    out = _scaled(call.arrays, call.single, scale, call.inplace, grads)
+    return ClipResult(out, norm, scale, math.isfinite(norm), info.local_norm, info.local_power)
 
 
 def global_norm(
@@ -164,9 +187,10 @@ def global_norm(
         mode: ``"global"``, or the name of a gallery bug (see ``gclip.strategies``).
     """
     comm = _world(comm)
-    call = _prepare(grads, None, norm_type, mode, False, reproducible, False)
-    info = engine.run_mpi(_program(call, replicated, comm.Get_rank(), comm.Get_size()), comm)
-    return info.norm
+    call = _prepare(
+        grads, _NO_LIMIT, norm_type=norm_type, mode=mode, reproducible=reproducible, replicated=replicated
+    )
+    return engine.run_mpi(_program(call, comm.Get_rank(), comm.Get_size()), comm).norm
 
 
 def clip_by_global_norm(
@@ -200,18 +224,18 @@ def clip_by_global_norm(
         ClipResult with ``grads`` in the layout given, ``total_norm``, ``scale``, ...
     """
     comm = _world(comm)
-    call = _prepare(grads, max_norm, norm_type, mode, inplace, reproducible, error_if_nonfinite)
-    info = engine.run_mpi(_program(call, replicated, comm.Get_rank(), comm.Get_size()), comm)
-    return _finish(call, info, max_norm, inplace, error_if_nonfinite, grads)
-
-
-def _program(call: _Call, replicated, rank: int, size: int) -> engine.Program:
-    def check() -> None:
-        _raise(call.error)
-
-    return engine.norm_program(
-        call.arrays, call.spec, rank=rank, size=size, replicated=replicated, check=check
+    call = _prepare(
+        grads,
+        max_norm,
+        norm_type=norm_type,
+        mode=mode,
+        inplace=inplace,
+        reproducible=reproducible,
+        error_if_nonfinite=error_if_nonfinite,
+        replicated=replicated,
     )
+    info = engine.run_mpi(_program(call, comm.Get_rank(), comm.Get_size()), comm)
+    return _finish(call, info, grads)
 
 
 def clip_simulated(
@@ -229,10 +253,20 @@ def clip_simulated(
     ``ranks[r]`` is what rank r would pass as ``grads``. The same engine runs
     as on real ranks; only the all-reduce is a sum over a list.
     """
-    calls = [_prepare(g, max_norm, norm_type, mode, False, reproducible, error_if_nonfinite) for g in ranks]
-    programs = [_program(c, replicated, r, len(ranks)) for r, c in enumerate(calls)]
-    infos = engine.run_simulated(programs)
-    return [_finish(c, i, max_norm, False, error_if_nonfinite, g) for c, i, g in zip(calls, infos, ranks)]
+    calls = [
+        _prepare(
+            g,
+            max_norm,
+            norm_type=norm_type,
+            mode=mode,
+            reproducible=reproducible,
+            error_if_nonfinite=error_if_nonfinite,
+            replicated=replicated,
+        )
+        for g in ranks
+    ]
+    infos = engine.run_simulated([_program(c, r, len(ranks)) for r, c in enumerate(calls)])
+    return [_finish(c, i, g) for c, i, g in zip(calls, infos, ranks)]
 
 
 def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import partials
-from .errors import AgreedError, GclipError
+from .errors import AgreedError, GclipError, NonFiniteNormError
 from .strategies import Strategy
 
 __all__ = ["Gather", "NormInfo", "Reduce", "norm_program", "run_mpi", "run_simulated"]
@@ -87,8 +87,8 @@ class Spec:
 
 # header slots: all SUM. Squares let every rank see a mismatch: sum(h^2)*R == sum(h)^2
 # only when all h agree. 16-bit fingerprints keep the sums exact up to 2**20 ranks.
-_ERR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE = range(8)
-HEADER_SIZE = 8
+_ERR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE = range(9)
+HEADER_SIZE = 9
 
 
 def norm_program(
@@ -99,6 +99,7 @@ def norm_program(
     size: int,
     replicated: Sequence[bool] | None = None,
     check: Callable[[], None] | None = None,
+    error_if_nonfinite: bool = False,
 ) -> Program:
     """One rank's part of the norm: yields collectives, returns a NormInfo.
 
@@ -133,7 +134,25 @@ def norm_program(
 
     norm, power = yield from _combine(local, spec, rank, total)
     norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
+    if error_if_nonfinite:
+        # decided on what every rank knows: the global norm, or (scope self) the header's count
+        bad = total[_NONFINITE] > 0 if strategy.scope == "self" else not math.isfinite(norm)
+        if bad:
+            holders = yield Gather(not math.isfinite(local.norm))
+            raise _nonfinite_error(spec, norm, holders, strategy.scope == "self")
     return NormInfo(norm, local.norm, local.power, int(total[_COUNT]), size)
+
+
+def _nonfinite_error(spec: Spec, norm: float, holders: list[bool], per_rank: bool) -> NonFiniteNormError:
+    p = "inf" if math.isinf(spec.norm_type) else f"{spec.norm_type:g}"
+    ranks = [r for r, bad in enumerate(holders) if bad]
+    where = (
+        f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        if ranks
+        else "every rank's own part is finite: the norm overflows float64"
+    )
+    what = "a rank's own norm is not finite" if per_rank else f"the global {p}-norm is {norm!r}"
+    return NonFiniteNormError(f"{what} ({where}; error_if_nonfinite=True)")
 
 
 class _Local(NamedTuple):
@@ -206,8 +225,9 @@ def _combine(local: _Local, spec: Spec, rank: int, total: np.ndarray) -> Generat
         return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
 
     if strategy.share == "norm":  # the norm-sharing bugs: local norms combined
-        got = yield Reduce(mine([local.norm]), strategy.norm_op)
-        return float(got[0]), None
+        nan = math.isnan(local.norm)  # as a flag: MPI's MAX may drop a NaN
+        got = yield Reduce(mine([0.0 if nan else local.norm, float(nan)]), strategy.norm_op)
+        return (math.nan if got[1] > 0 else float(got[0])), None
     if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
         got = yield Reduce(mine([local.power, float(local.nan)], -1.0), "max")
         return (math.nan if got[1] > 0 else float(got[0])), None
@@ -234,12 +254,11 @@ def _rescued(counted, p: float, mine) -> Generator:
         return math.nan
     if top == 0.0 or math.isinf(top):
         return top
-    exponent = math.frexp(top)[1]
-    s = partials.scaled_power_sum(counted, p, exponent)
+    s = partials.scaled_power_sum(counted, p, top) if counted else 0.0
     if mine is not None:
         got = yield Reduce(mine([s]))
         s = float(got[0])
-    return partials.root(s, exponent, p)
+    return top * partials.root(s, 0, p)
 
 
 def _run_local(program: Generator) -> Any:

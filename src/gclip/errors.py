@@ -41,7 +41,7 @@ class AgreedError:
             for rank, (_, args) in enumerate(reports):
                 seen.setdefault(args, []).append(rank)
             parts = "; ".join(f"{_ranks(r)}: {args}" for args, r in seen.items())
-            return GclipValueError(f"ranks disagree on the arguments ({parts})")
+            return GclipValueError(one_line(f"ranks disagree on the arguments ({parts})"))
         bad = [(rank, err) for rank, (err, _) in enumerate(reports) if err is not None]
         kind, message = bad[0][1]
         same = [rank for rank, err in bad if err == bad[0][1]]
@@ -51,7 +51,12 @@ class AgreedError:
         cls = _CLASSES.get(kind, GclipError)
         if cls is GclipError and kind != "GclipError":
             message = f"{kind}: {message}"
-        return cls(f"{where}: {message}")
+        return cls(one_line(f"{where}: {message}"))
+
+
+def one_line(text: str) -> str:
+    """Messages are one line, whatever the caller's objects look like when printed."""
+    return " ".join(text.split())
 
 
 def _ranks(ranks: Sequence[int]) -> str:

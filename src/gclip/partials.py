@@ -149,17 +149,18 @@ def max_abs(arrays: Sequence[np.ndarray]) -> tuple[float, bool]:
     return best, nan
 
 
-def scaled_power_sum(arrays: Sequence[np.ndarray], p: float, exponent: int) -> float:
-    """sum (|x| * 2**-exponent)**p: with 2**exponent >= max|x| nothing overflows,
-    and what underflows is below 2**-1074 of the largest term."""
+def scaled_power_sum(arrays: Sequence[np.ndarray], p: float, top: float) -> float:
+    """sum (|x| / top)**p for top = max|x| > 0: the largest term is exactly 1, so
+    nothing overflows and what underflows is negligible next to it, for any p."""
     scratch = _Scratch()
     total = 0.0
-    for a in arrays:
-        for c in iter_chunks(a):
-            b = scratch.abs64(c)
-            np.ldexp(b, -exponent, out=b)
-            np.power(b, p, out=b)
-            total += float(np.add.reduce(b))
+    with np.errstate(under="ignore"):
+        for a in arrays:
+            for c in iter_chunks(a):
+                b = scratch.abs64(c)
+                np.divide(b, top, out=b)
+                np.power(b, p, out=b)
+                total += float(np.add.reduce(b))
     return total
 
 
@@ -168,10 +169,10 @@ def root(mant: float, exp: int, p: float) -> float:
     mant = float(mant)
     if mant == 0.0 or not math.isfinite(mant):
         return mant
-    r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
     try:
+        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
         return math.ldexp(r, exp)
-    except OverflowError:
+    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
         return math.inf
 
 
