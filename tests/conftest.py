@@ -48,6 +48,8 @@ def mpirun(
     full_env = {**os.environ, "MPIEXEC_TIMEOUT": str(timeout), **(env or {})}
     cmd = [exe, "-n", str(n), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 15, env=full_env)
+    if "APPLICATION TIMED OUT" in proc.stdout + proc.stderr:
+        proc.returncode = proc.returncode or 124  # Hydra's watchdog fired but may have exited 0
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
