@@ -14,8 +14,9 @@ cases with one simulated rank per shard.
 The implementation runs in a worker process, one call at a time, each under
 ``--timeout``: a call that raises, hangs, crashes the process or calls
 ``sys.exit`` is judged as a failure, never taken for the judge's own. The
-judge is a single process and needs no MPI (so it does not use
-``_cli.entry``, which asks MPI for the rank on its error path).
+judge is a single process and needs no MPI. It has its own small entry point
+rather than ``_cli.entry``: its exit 1 means "fails the contract", so its own
+faults exit 3 instead of aborting an MPI job.
 
 Exit status: 0 pass, 1 fail, 2 usage error (bad spec, missing file or
 function, a file that cannot be loaded), 3 an internal error of the judge.
@@ -571,11 +572,6 @@ def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
 # command line
 
 
-class _Parser(_cli.ArgParser):
-    def print_help(self, file: Any = None) -> None:  # single process: no rank to ask
-        super(_cli.ArgParser, self).print_help(file)
-
-
 def _nonneg_int(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 100_000:
@@ -596,8 +592,8 @@ def _timeout(text: str) -> float:
 _timeout.__name__ = "timeout (seconds, > 0)"
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="gclip.conformance", description=__doc__.split("\n\n")[0])
+def _parser() -> _cli.ArgParser:
+    p = _cli.ArgParser(prog="gclip.conformance", description=__doc__.split("\n\n")[0])
     p.add_argument("target", help="FILE.py:FUNC or package.module:func, a function (shards, limit) -> shards")
     p.add_argument("--random", type=_nonneg_int, default=200, help="random layouts to try (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random layouts (default 0)")
