@@ -21,6 +21,7 @@ collective, which comes after the header has agreed on the config.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Generator, Sequence
@@ -81,8 +82,13 @@ class Spec:
         return ", ".join(f"{k}={v!r}" for k, v in items)
 
     def fingerprint(self) -> tuple[float, float]:
-        crc = zlib.crc32(self.describe().encode())
-        return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
+        return _fingerprint(self)
+
+
+@functools.lru_cache(maxsize=256)  # a training loop asks the same question every step
+def _fingerprint(spec: Spec) -> tuple[float, float]:
+    crc = zlib.crc32(spec.describe().encode())
+    return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
 
 
 # header slots: all SUM. Squares let every rank see a mismatch: sum(h^2)*R == sum(h)^2
@@ -118,19 +124,25 @@ def norm_program(
         error = exc
 
     h1, h2 = spec.fingerprint()
-    header = np.zeros(HEADER_SIZE)
-    header[[_ERR, _H1, _H1SQ, _H2, _H2SQ, _COUNT]] = [
-        error is not None,
-        h1,
-        h1 * h1,
-        h2,
-        h2 * h2,
-        local.count,
-    ]
-    if _shares(strategy, rank) and strategy.share == "power":
-        header[[_SUM, _RESCUE]] = [local.power, local.rescue]
-    total = yield Reduce(header)
-    yield from _agree(total, error, spec, size)
+    mine = _shares(strategy, rank) and strategy.share == "power"
+    header = np.array(
+        [
+            error is not None,
+            h1,
+            h1 * h1,
+            h2,
+            h2 * h2,
+            local.count,
+            local.power if mine else 0.0,
+            local.rescue and mine,
+            not math.isfinite(local.norm),
+        ],
+        dtype=np.float64,
+    )
+    total = (yield Reduce(header)).tolist()  # Python floats: cheaper to read than numpy scalars
+    mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
+    if total[_ERR] or mismatch:
+        yield from _agree(error, spec, mismatch=mismatch and not total[_ERR])
 
     norm, power = yield from _combine(local, spec, rank, total)
     norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
@@ -180,7 +192,8 @@ def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _
     if spec.reproducible:
         binned = partials.BinnedPowerSum(p)
         part = binned.local(counted)
-        return _Local(counted, count, _as_float(binned.exact(part)), part=part, norm=binned.norm(part))
+        norm, (mant, exp) = binned.summary(part)
+        return _Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm)
     power, rescue = partials.power_sum(counted, p)
     norm = _run_local(_rescued(counted, p, None)) if rescue else partials.root(power, 0, p)
     return _Local(counted, count, power, rescue, norm=norm)
@@ -204,17 +217,14 @@ def _counted(
     return [a for a, rep in zip(arrays, replicated) if not rep]
 
 
-def _agree(total: np.ndarray, error: BaseException | None, spec: Spec, size: int) -> Generator:
-    """Raise the same error on every rank if any rank failed or disagreed."""
-    mismatch = (total[_H1SQ] * size != total[_H1] ** 2) or (total[_H2SQ] * size != total[_H2] ** 2)
-    if not total[_ERR] and not mismatch:
-        return
+def _agree(error: BaseException | None, spec: Spec, mismatch: bool) -> Generator:
+    """Some rank failed or disagreed: every rank raises the same error."""
     mine = (type(error).__name__, str(error)) if error is not None else None
     reports = yield Gather((mine, spec.describe()))  # the error path's own round trip
-    raise AgreedError.from_reports(reports, mismatch=bool(mismatch) and not total[_ERR])
+    raise AgreedError.from_reports(reports, mismatch=mismatch)
 
 
-def _combine(local: _Local, spec: Spec, rank: int, total: np.ndarray) -> Generator:
+def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Generator:
     """The strategy's combine: (the norm it clips by, the power sum as (mant, exp) if known)."""
     strategy, p = spec.strategy, spec.norm_type
     if strategy.scope == "self":  # no other rank is asked
@@ -234,7 +244,7 @@ def _combine(local: _Local, spec: Spec, rank: int, total: np.ndarray) -> Generat
     if local.part is not None:  # reproducible: integer digit counts, exact in any order
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
-        return binned.norm(got), binned.power(got)
+        return binned.summary(got)
     if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
         norm = yield from _rescued(local.counted if shares else (), p, mine)
         return norm, None
@@ -270,9 +280,9 @@ def _run_local(program: Generator) -> Any:
     raise RuntimeError("a local computation asked for a collective")  # pragma: no cover
 
 
-def _as_float(x) -> float:
+def _ldexp(mant: float, exp: int) -> float:
     try:
-        return float(x)
+        return math.ldexp(mant, exp)
     except OverflowError:
         return math.inf
 
@@ -283,20 +293,26 @@ def _as_float(x) -> float:
 
 def run_mpi(program: Program, comm) -> NormInfo:
     """Run a program on this rank of ``comm`` (mpi4py)."""
-    from mpi4py import MPI
-
-    ops = {"sum": MPI.SUM, "max": MPI.MAX}
+    MPI = _mpi()
     try:
         request = next(program)
         while True:
             if isinstance(request, Reduce):
                 out = np.empty_like(request.data)
-                comm.Allreduce(request.data, out, op=ops[request.op])
+                comm.Allreduce(request.data, out, op=MPI.MAX if request.op == "max" else MPI.SUM)
                 request = program.send(out)
             else:
                 request = program.send(comm.allgather(request.item))
     except StopIteration as done:
         return done.value
+
+
+@functools.lru_cache(maxsize=1)
+def _mpi() -> Any:
+    """mpi4py.MPI, imported on first use: simulated runs (the judge) never start MPI."""
+    from mpi4py import MPI
+
+    return MPI
 
 
 def run_simulated(programs: Sequence[Program]) -> list[NormInfo]:

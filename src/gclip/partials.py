@@ -56,20 +56,30 @@ def iter_chunks(a: np.ndarray, chunk: int = CHUNK) -> Iterator[np.ndarray]:
 
 
 class _Scratch:
-    """One float64 working buffer per call, so no chunk allocates."""
+    """One float64 working buffer per call, so no chunk allocates.
+
+    Made on first use and no larger than the largest chunk seen: a float64
+    array that BLAS reads directly never pays for it, and a small one pays
+    only its own size.
+    """
 
     def __init__(self) -> None:
-        self._buf = np.empty(CHUNK, dtype=np.float64)
+        self._buf = np.empty(0, dtype=np.float64)
+
+    def get(self, n: int) -> np.ndarray:
+        if self._buf.size < n:
+            self._buf = np.empty(min(max(n, 2 * self._buf.size), CHUNK), dtype=np.float64)
+        return self._buf[:n]
 
     def abs64(self, chunk: np.ndarray) -> np.ndarray:
-        out = self._buf[: chunk.size]
+        out = self.get(chunk.size)
         np.abs(chunk, out=out)  # converts to float64 on the way
         return out
 
     def as64(self, chunk: np.ndarray) -> np.ndarray:
         if chunk.dtype == _FLOAT64:
             return chunk
-        out = self._buf[: chunk.size]
+        out = self.get(chunk.size)
         np.copyto(out, chunk, casting="safe")
         return out
 
@@ -176,6 +186,9 @@ def root(mant: float, exp: int, p: float) -> float:
         return math.inf
 
 
+_EXTRACTOR = 1.5 * 2.0**52  # (r + M) - M rounds r to an integer, for |r| < 2**51
+
+
 class BinnedPowerSum:
     """Reproducible sum |x|**p for p in {1, 2}: the same bits for any layout.
 
@@ -236,11 +249,9 @@ class BinnedPowerSum:
         padded = -(-n // self.BLOCK) * self.BLOCK
         v = buf[:padded]
         q = tmp[:padded]
-        np.abs(c, out=v[:n])
-        v[n:] = 0.0
-        m = float(np.max(v))
+        m = float(max(np.max(c), -np.min(c)))  # max |x|: two reads, no write
         if not math.isfinite(m):
-            return float(np.sum(v[~np.isfinite(v)]))
+            return abs(m) if not math.isnan(m) else m
         if m == 0.0:
             return 0.0
         p, W = self.p, self.W
@@ -250,37 +261,42 @@ class BinnedPowerSum:
         gm, ge = math.frexp(fp)
         ceil_log2 = ge + p * em - (1 if gm == 0.5 else 0)
         t = -((-(ceil_log2 - W + 1)) // W)
-        k = (W * t) // p  # scale |x| by 2**-k: bin t's unit becomes 1
-        np.ldexp(v, -k, out=v)
+        k = (W * t) // p  # scale |x| by 2**-k (exact): bin t's unit becomes 1
+        if -1000 < k < 1000:  # in float64 (a float16 input must not scale in float16)
+            np.multiply(c, 2.0**-k, out=v[:n], dtype=np.float64)
+        else:  # 2**-k itself is out of range: let ldexp do it
+            np.copyto(v[:n], c)
+            np.ldexp(v[:n], -k, out=v[:n])
+        v[n:] = 0.0
         if p == 2:
             np.multiply(v, v, out=v)
+        else:
+            np.abs(v, out=v)
         for i in range(self.K):
-            unit = 2.0 ** (-W * i)
-            extractor = 1.5 * 2.0**52 * unit
-            np.add(v, extractor, out=q)
-            np.subtract(q, extractor, out=q)
-            np.subtract(v, q, out=v)
-            sums = np.add.reduce(q.reshape(-1, self.BLOCK), axis=1)
-            sums *= 2.0 ** (W * i)  # now integers below 2**52
+            # the digit in bin t - i: v rounded to the bin's unit (1, after the rescaling below)
+            np.add(v, _EXTRACTOR, out=q)
+            np.subtract(q, _EXTRACTOR, out=q)
+            sums = np.add.reduce(q.reshape(-1, self.BLOCK), axis=1)  # exact: below 2**53
             counts[t - i - self._BIN_LO] += int(sums.astype(np.int64).sum())
+            if i + 1 < self.K:  # the remainder, scaled so the next bin's unit is 1 (exact)
+                np.subtract(v, q, out=v)
+                np.multiply(v, 2.0**W, out=v)
         return 0.0
-
-    def _bin_counts(self, combined: np.ndarray) -> list[int]:
-        base = 1 << self._DIGIT_BITS
-        digits = combined[2:].reshape(self.nbins, self._DIGITS)
-        return [sum(int(d) * base**i for i, d in enumerate(row)) for row in digits]
 
     def exact(self, combined: np.ndarray) -> Fraction | float:
         """The combined sum as an exact fraction (or inf/NaN)."""
         if combined[1] != 0.0:
             return float(combined[1])
-        counts = self._bin_counts(combined)
-        top = max((i for i, n in enumerate(counts) if n), default=None)
-        if top is None:
+        digits = combined[2:].reshape(self.nbins, self._DIGITS)
+        used = np.flatnonzero(digits.any(axis=1))
+        if not used.size:
             return Fraction(0)
+        top = int(used[-1])  # the top bin of the global maximum: keep K bins from it down
+        base = 1 << self._DIGIT_BITS
         total = Fraction(0)
         for i in range(top, max(top - self.K, -1), -1):
-            total += Fraction(counts[i]) * Fraction(2) ** (self.W * (i + self._BIN_LO))
+            count = sum(int(d) * base**j for j, d in enumerate(digits[i]))
+            total += Fraction(count) * Fraction(2) ** (self.W * (i + self._BIN_LO))
         return total
 
     def combine(self, partials: Sequence[np.ndarray]) -> np.ndarray:
@@ -289,7 +305,9 @@ class BinnedPowerSum:
 
     def power(self, combined: np.ndarray) -> tuple[float, int]:
         """The sum as (mant, exp): sum = mant * 2**(p*exp), mant rounded once."""
-        total = self.exact(combined)
+        return self._power(self.exact(combined))
+
+    def _power(self, total: Fraction | float) -> tuple[float, int]:
         if isinstance(total, float) or total == 0:
             return float(total), 0
         # scale into range before rounding to float once
@@ -304,3 +322,8 @@ class BinnedPowerSum:
     def norm(self, combined: np.ndarray) -> float:
         mant, exp = self.power(combined)
         return root(mant, exp, float(self.p))
+
+    def summary(self, combined: np.ndarray) -> tuple[float, tuple[float, int]]:
+        """(norm, power) from one decoding of the digits."""
+        mant, exp = self._power(self.exact(combined))
+        return root(mant, exp, float(self.p)), (mant, exp)
