@@ -31,7 +31,20 @@ __all__ = [
     "scaled_power_sum",
 ]
 
-CHUNK = 1 << 16  # elements per working block: 512 KiB of float64, stays in L2
+CHUNK = 1 << 16  # the largest working block: 512 KiB of float64, stays in L2
+MIN_CHUNK = 1 << 12  # below this, numpy's per-call cost dominates
+MEMORY_SHARE = 0.04  # working buffers stay below 4% of the shard (or MIN_CHUNK)
+
+
+def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
+    """Elements per working block for these arrays: ``buffers`` float64 blocks
+    take at most MEMORY_SHARE of the arrays' own bytes, within [MIN_CHUNK, CHUNK],
+    in whole BLOCKs (the reproducible mode sums blocks of 512)."""
+    n = int(MEMORY_SHARE * sum(a.nbytes for a in arrays) / (8 * buffers))
+    n = max(MIN_CHUNK, min(CHUNK, n))
+    return -(-n // 512) * 512
+
+
 _FLOAT64 = np.dtype(np.float64)
 
 
@@ -63,12 +76,13 @@ class _Scratch:
     only its own size.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int = CHUNK) -> None:
         self._buf = np.empty(0, dtype=np.float64)
+        self._chunk = chunk
 
     def get(self, n: int) -> np.ndarray:
         if self._buf.size < n:
-            self._buf = np.empty(min(max(n, 2 * self._buf.size), CHUNK), dtype=np.float64)
+            self._buf = np.empty(min(max(n, 2 * self._buf.size), self._chunk), dtype=np.float64)
         return self._buf[:n]
 
     def abs64(self, chunk: np.ndarray) -> np.ndarray:
@@ -97,11 +111,12 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     :func:`scaled_power_sum`). Non-finite data gives a non-finite sum and no
     rescue: the norm IS inf or NaN.
     """
-    scratch = _Scratch()
+    chunk = chunk_size(arrays)
+    scratch = _Scratch(chunk)
     total = 0.0
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
         for a in arrays:
-            total += _power_sum_one(a, p, scratch)
+            total += _power_sum_one(a, p, scratch, chunk)
     if _SAFE_LO <= total <= _SAFE_HI:
         return total, False
     if total == 0.0 and not any(np.any(c) for a in arrays for c in iter_chunks(a)):
@@ -115,12 +130,12 @@ _SAFE_HI = 2.0**960  # ranks may still add up without overflow
 _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 
-def _power_sum_one(a: np.ndarray, p: float, scratch: _Scratch) -> float:
+def _power_sum_one(a: np.ndarray, p: float, scratch: _Scratch, chunk: int) -> float:
     if p == 2.0 and a.dtype == _FLOAT64 and (a.flags.c_contiguous or a.flags.f_contiguous):
         flat = a.ravel(order="K")
         return float(np.dot(flat, flat))  # BLAS, no temporary
     total = 0.0
-    for c in iter_chunks(a):
+    for c in iter_chunks(a, chunk):
         if p == 2.0:
             c64 = scratch.as64(c)
             total += float(np.dot(c64, c64))
@@ -162,11 +177,12 @@ def max_abs(arrays: Sequence[np.ndarray]) -> tuple[float, bool]:
 def scaled_power_sum(arrays: Sequence[np.ndarray], p: float, top: float) -> float:
     """sum (|x| / top)**p for top = max|x| > 0: the largest term is exactly 1, so
     nothing overflows and what underflows is negligible next to it, for any p."""
-    scratch = _Scratch()
+    chunk = chunk_size(arrays)
+    scratch = _Scratch(chunk)
     total = 0.0
     with np.errstate(under="ignore"):
         for a in arrays:
-            for c in iter_chunks(a):
+            for c in iter_chunks(a, chunk):
                 b = scratch.abs64(c)
                 np.divide(b, top, out=b)
                 np.power(b, p, out=b)
@@ -226,11 +242,12 @@ class BinnedPowerSum:
         counts = [0] * self.nbins
         special = 0.0
         total = 0
-        buf = np.empty(CHUNK, dtype=np.float64)
-        tmp = np.empty(CHUNK, dtype=np.float64)
+        chunk = chunk_size(arrays, buffers=2)
+        buf = np.empty(chunk, dtype=np.float64)
+        tmp = np.empty(chunk, dtype=np.float64)
         for a in arrays:
             total += a.size
-            for c in iter_chunks(a):
+            for c in iter_chunks(a, chunk):
                 special += self._deposit(c, buf, tmp, counts)
         out = np.zeros(self.size)
         out[0] = total
