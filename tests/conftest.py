@@ -55,6 +55,31 @@ def mpirun(
     return proc
 
 
+def venv_env() -> dict:
+    """The environment of this interpreter's venv (its mpirun, mpi4py), with src/ importable."""
+    env = os.environ.copy()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class OneRankComm:
+    """The slice of the mpi4py communicator API gclip uses, for one rank, without MPI."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def Allreduce(self, send, recv, op=None):
+        recv[...] = send
+
+    def allgather(self, item):
+        return [item]
+
+
 @pytest.fixture(scope="session")
 def seed_record() -> dict:
     import json

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import venv_env
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SIM = ROOT / "scripts" / "cluster-sim"
 SKIP_EXIT = 77
@@ -80,15 +82,6 @@ if comm.rank == 0:
 """
 
 
-def _env() -> dict:
-    """The environment of this interpreter's venv (mpiexec, mpi4py), with src/ importable."""
-    env = os.environ.copy()
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run with a timeout; on expiry send SIGTERM first so cluster-sim's trap can clean up."""
     proc = subprocess.Popen(
@@ -96,7 +89,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=venv_env(),
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
     )
@@ -176,7 +169,7 @@ def test_allreduce_across_two_hosts():
 def _demo_available() -> bool:
     probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('gclip.demo') else 1)"
     try:
-        return subprocess.run([sys.executable, "-c", probe], env=_env(), timeout=60).returncode == 0
+        return subprocess.run([sys.executable, "-c", probe], env=venv_env(), timeout=60).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -244,7 +237,7 @@ def test_interrupt_cleans_up():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=venv_env(),
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
     )

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import venv_env
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
@@ -307,14 +309,6 @@ def test_mpijob_structure(mpijob):
 # --- real runs ---------------------------------------------------------------
 
 
-def _env() -> dict:
-    env = os.environ.copy()
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 HOSTS_AND_SUM = r"""
 import json, numpy as np
 from mpi4py import MPI
@@ -341,7 +335,7 @@ def test_compose_launch_scripts_on_simulated_hosts(compose, tmp_path):
         path.chmod(0o755)
     spool = tmp_path / "spool"
     spool.mkdir()
-    env = _env()
+    env = venv_env()
     env["GCLIP_SPOOL"] = str(spool)
     agent = f"GCLIP_SPOOL_HOST=$CLUSTER_SIM_HOST_ADDR exec sh {shlex.quote(str(tmp_path / 'spool-agent'))}"
     args = [

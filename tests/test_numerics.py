@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gclip
+from conftest import OneRankComm
 from gclip import clip as clip_module
 
 
@@ -150,7 +151,7 @@ def test_inplace_scales_the_given_arrays():
     a, b = np.array([3.0, 0.0]), np.array([[0.0], [4.0]], dtype=np.float32)
     result = gclip.clip_simulated([[a, b]], 1.0)  # not in place: originals untouched
     assert a[0] == 3.0 and math.isclose(result[0].grads[0][0], 0.6, rel_tol=1e-15)
-    out = gclip.clip_by_global_norm([a, b], 1.0, inplace=True, comm=_OneRank())
+    out = gclip.clip_by_global_norm([a, b], 1.0, inplace=True, comm=OneRankComm())
     assert out.grads[0] is a and out.grads[1] is b
     assert math.isclose(a[0], 0.6, rel_tol=1e-15) and b.dtype == np.float32
     assert math.isclose(float(b[1, 0]), 0.8, rel_tol=1e-7)
@@ -163,7 +164,7 @@ def test_float32_scale_never_rounds_up():
 
 
 def test_inplace_needs_float_arrays():
-    comm = _OneRank()
+    comm = OneRankComm()
     with pytest.raises(gclip.GclipTypeError):
         gclip.clip_by_global_norm(np.arange(3), 1.0, inplace=True, comm=comm)
     with pytest.raises(gclip.GclipTypeError):
@@ -179,23 +180,7 @@ def test_inplace_with_scale_one_does_not_touch_memory(monkeypatch):
     real = clip_module._multiply
     monkeypatch.setattr(clip_module, "_multiply", lambda *a: calls.append(1) or real(*a))
     x = np.array([0.1, 0.2])
-    gclip.clip_by_global_norm(x, 10.0, inplace=True, comm=_OneRank())
+    gclip.clip_by_global_norm(x, 10.0, inplace=True, comm=OneRankComm())
     assert calls == []
-    gclip.clip_by_global_norm(x, 0.1, inplace=True, comm=_OneRank())
+    gclip.clip_by_global_norm(x, 0.1, inplace=True, comm=OneRankComm())
     assert calls == [1]
-
-
-class _OneRank:
-    """The slice of the mpi4py communicator API gclip uses, for one rank, no MPI."""
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-    def Allreduce(self, send, recv, op=None):
-        recv[...] = send
-
-    def allgather(self, item):
-        return [item]
