@@ -33,7 +33,7 @@ __all__ = [
 
 CHUNK = 1 << 16  # the largest working block: 512 KiB of float64, stays in L2
 MIN_CHUNK = 1 << 12  # below this, numpy's per-call cost dominates
-MEMORY_SHARE = 0.04  # working buffers stay below 4% of the shard (or MIN_CHUNK)
+MEMORY_SHARE = 0.025  # working buffers stay below 2.5% of the shard (or MIN_CHUNK)
 
 
 def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
