@@ -184,3 +184,17 @@ def test_inplace_with_scale_one_does_not_touch_memory(monkeypatch):
     assert calls == []
     gclip.clip_by_global_norm(x, 0.1, inplace=True, comm=OneRankComm())
     assert calls == [1]
+
+
+def test_strided_views_are_read_and_scaled_in_place_without_copies():
+    from gclip.partials import iter_chunks
+
+    base = np.arange(1.0, 41.0).reshape(4, 10)
+    views = [base[:, ::3], base[1, ::2], base.T]
+    for v in views:
+        assert all(np.shares_memory(c, base) for c in iter_chunks(v, 4))
+    strided = base[::2, ::2]
+    expected = strided * (1.0 / np.linalg.norm(strided))
+    gclip.clip_by_global_norm(strided, 1.0, inplace=True, comm=OneRankComm())
+    np.testing.assert_allclose(base[::2, ::2], expected, rtol=1e-15)
+    assert base[1, 0] == 11.0  # the elements between the strides are untouched

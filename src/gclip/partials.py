@@ -60,7 +60,7 @@ def iter_chunks(a: np.ndarray, chunk: int = CHUNK) -> Iterator[np.ndarray]:
     if a.size == 0:
         return
     if a.ndim <= 1 or a.flags.c_contiguous or a.flags.f_contiguous:
-        flat = a.ravel(order="K")
+        flat = a.reshape(1) if a.ndim == 0 else a if a.ndim == 1 else a.ravel(order="K")  # views
         for start in range(0, flat.size, chunk):
             yield flat[start : start + chunk]
         return
