@@ -21,6 +21,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from . import _kernels
+
 __all__ = [
     "BinnedPowerSum",
     "half_power_sum",
@@ -46,6 +48,7 @@ def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
 
 
 _FLOAT64 = np.dtype(np.float64)
+_FLOAT32 = np.dtype(np.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -131,9 +134,14 @@ _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 
 def _power_sum_one(a: np.ndarray, p: float, scratch: _Scratch, chunk: int) -> float:
-    if p == 2.0 and a.dtype == _FLOAT64 and (a.flags.c_contiguous or a.flags.f_contiguous):
+    contiguous = a.flags.c_contiguous or a.flags.f_contiguous
+    if p == 2.0 and a.dtype == _FLOAT64 and contiguous:
         flat = a.ravel(order="K")
         return float(np.dot(flat, flat))  # BLAS, no temporary
+    if p == 2.0 and a.dtype == _FLOAT32 and contiguous and a.size >= _kernels.MIN_SIZE:
+        kernels = _kernels.get()
+        if kernels is not None:  # one pass at memory speed, float64 accumulation
+            return float(kernels.sumsq_f32(a.ravel(order="K")))
     total = 0.0
     for c in iter_chunks(a, chunk):
         if p == 2.0:
@@ -242,13 +250,15 @@ class BinnedPowerSum:
         counts = [0] * self.nbins
         special = 0.0
         total = 0
-        chunk = chunk_size(arrays, buffers=2)
-        buf = np.empty(chunk, dtype=np.float64)
-        tmp = np.empty(chunk, dtype=np.float64)
+        size = sum(a.size for a in arrays)
+        # compiled: no working buffers, so the largest chunks; numpy: two bounded buffers
+        kernels = _kernels.get() if size >= _kernels.MIN_SIZE else None
+        chunk = CHUNK if kernels is not None else chunk_size(arrays, buffers=2)
+        buffers = _Scratch(chunk), _Scratch(chunk)
         for a in arrays:
             total += a.size
             for c in iter_chunks(a, chunk):
-                special += self._deposit(c, buf, tmp, counts)
+                special += self._deposit(c, buffers, counts, kernels)
         out = np.zeros(self.size)
         out[0] = total
         out[1] = special
@@ -261,11 +271,10 @@ class BinnedPowerSum:
                 out[2 + i * self._DIGITS + self._DIGITS - 1] = n
         return out
 
-    def _deposit(self, c: np.ndarray, buf: np.ndarray, tmp: np.ndarray, counts: list[int]) -> float:
+    def _deposit(
+        self, c: np.ndarray, buffers: tuple[_Scratch, _Scratch], counts: list[int], kernels: object
+    ) -> float:
         n = c.size
-        padded = -(-n // self.BLOCK) * self.BLOCK
-        v = buf[:padded]
-        q = tmp[:padded]
         m = float(max(np.max(c), -np.min(c)))  # max |x|: two reads, no write
         if not math.isfinite(m):
             return abs(m) if not math.isnan(m) else m
@@ -279,6 +288,15 @@ class BinnedPowerSum:
         ceil_log2 = ge + p * em - (1 if gm == 0.5 else 0)
         t = -((-(ceil_log2 - W + 1)) // W)
         k = (W * t) // p  # scale |x| by 2**-k (exact): bin t's unit becomes 1
+        compiled = kernels is not None and c.dtype in (_FLOAT32, _FLOAT64) and -1000 < k < 1000
+        if compiled:  # the same digits, in one compiled pass
+            got = kernels.digits(c, p == 2, 2.0**-k, W, self.BLOCK)  # type: ignore[attr-defined]
+            for i in range(self.K):
+                counts[t - i - self._BIN_LO] += int(got[i])
+            return 0.0
+        padded = -(-n // self.BLOCK) * self.BLOCK
+        v = buffers[0].get(padded)
+        q = buffers[1].get(padded)
         if -1000 < k < 1000:  # in float64 (a float16 input must not scale in float16)
             np.multiply(c, 2.0**-k, out=v[:n], dtype=np.float64)
         else:  # 2**-k itself is out of range: let ldexp do it
