@@ -39,7 +39,12 @@ def pytest_runtest_logreport(report):
 
 
 def mpirun(
-    n: int, *args: str, timeout: int = MPIRUN_TIMEOUT, env: dict | None = None, check: bool = False
+    n: int,
+    *args: str,
+    timeout: int = MPIRUN_TIMEOUT,
+    env: dict | None = None,
+    check: bool = False,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``mpirun -n N <args>`` under a timeout, with Hydra's own watchdog too."""
     exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
@@ -47,7 +52,9 @@ def mpirun(
         pytest.skip("no mpirun on PATH")
     full_env = {**os.environ, "MPIEXEC_TIMEOUT": str(timeout), **(env or {})}
     cmd = [exe, "-n", str(n), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 15, env=full_env)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout + 15, env=full_env, input=input
+    )
     if "APPLICATION TIMED OUT" in proc.stdout + proc.stderr:
         proc.returncode = proc.returncode or 124  # Hydra's watchdog fired but may have exited 0
     if check and proc.returncode != 0:

@@ -1,6 +1,6 @@
 """The teaching demo: real mpirun runs, the seed oracle, bad input, and a fuzz of the parser.
 
-Most mpirun cases are batched: one mpirun runs the demo's ``_main`` many times
+Most cases are batched (every job under a timeout): one job runs the demo's ``_main`` many times
 in-process (argv and all, on the real MPI ranks), since starting a job costs
 more than a clip. A few cases go through the real command line as well.
 """
@@ -28,23 +28,21 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conftest import mpirun as run_mpirun  # noqa: E402
+
 SEED = Path(__file__).parent / "data" / "seed_000_adec46095326f7b8.json"
-MPIRUN = shutil.which(
+LAUNCHER = shutil.which(
     "mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 )
 TIMEOUT = 120
 
-needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found")
+needs_mpi = pytest.mark.skipif(LAUNCHER is None, reason="mpirun not found")
 
 
-def mpirun(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "gclip.demo", *args]
-    return subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env={**os.environ, "NO_COLOR": "1", **(env or {})},
+def demo_run(n: int, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The demo on n ranks, under the suite's timeouts (conftest.mpirun)."""
+    return run_mpirun(
+        n, sys.executable, "-m", "gclip.demo", *args, timeout=TIMEOUT, env={"NO_COLOR": "1", **(env or {})}
     )
 
 
@@ -73,13 +71,8 @@ if world.Get_rank() == 0:
 
 def batch(n: int, cases: list[tuple[str, int, list[str]]]) -> dict[str, dict]:
     """Run every case in one mpirun of n ranks; returns id -> the JSON object printed."""
-    proc = subprocess.run(
-        [MPIRUN, "-n", str(n), sys.executable, "-c", BATCH],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env={**os.environ, "NO_COLOR": "1"},
+    proc = run_mpirun(
+        n, sys.executable, "-c", BATCH, input=json.dumps(cases), timeout=TIMEOUT, env={"NO_COLOR": "1"}
     )
     assert proc.returncode == 0, proc.stderr
     raw = json.loads(proc.stdout)
@@ -155,7 +148,7 @@ def test_seed_checks_through_the_real_command_line():
         (4, 1, ["--buggy"], "broken"),
     ]:
         c = seed_checks(n)[idx]
-        proc = mpirun(
+        proc = demo_run(
             len(c.shards), "--json", "--shards", json.dumps(c.shards), "--limit", str(c.limit), *flags
         )
         assert proc.returncode == 0, proc.stderr
@@ -163,7 +156,7 @@ def test_seed_checks_through_the_real_command_line():
         expected = c.expected if which is None else oracle(which, n)[c.label]["actual"]
         assert out["clipped"] == expected
     c = seed_checks(5)[1]
-    proc = mpirun(2, "--json", "--buggy", "rms", "--shards", json.dumps(c.shards), "--limit", str(c.limit))
+    proc = demo_run(2, "--json", "--buggy", "rms", "--shards", json.dumps(c.shards), "--limit", str(c.limit))
     assert json.loads(proc.stdout)["clipped"] == oracle("attempt", 5)[c.label]["actual"]
 
 
@@ -174,7 +167,7 @@ def test_seed_checks_through_the_real_command_line():
 @needs_mpi
 @pytest.mark.slow
 def test_default_demo_on_4_ranks_tells_the_story():
-    proc = mpirun(4)
+    proc = demo_run(4)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     text = proc.stdout
@@ -191,7 +184,7 @@ def test_default_demo_on_4_ranks_tells_the_story():
 @needs_mpi
 @pytest.mark.slow
 def test_buggy_text_shows_both_runs_side_by_side():
-    proc = mpirun(4, "--buggy")
+    proc = demo_run(4, "--buggy")
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "per-rank" in text and "correct (global)" in text
@@ -203,7 +196,7 @@ def test_buggy_text_shows_both_runs_side_by_side():
 @needs_mpi
 @pytest.mark.slow
 def test_json_shape_and_its_arithmetic():
-    proc = mpirun(2, "--json", "--size", "5", "--seed", "3", "--limit", "2.5")
+    proc = demo_run(2, "--json", "--size", "5", "--seed", "3", "--limit", "2.5")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
@@ -305,7 +298,7 @@ BAD = {
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2_on_every_rank():
     with ThreadPoolExecutor(max_workers=3) as pool:  # jobs mostly wait on interpreter start-up
-        procs = dict(zip(BAD, pool.map(lambda args: mpirun(2, *args), BAD.values())))
+        procs = dict(zip(BAD, pool.map(lambda args: demo_run(2, *args), BAD.values())))
     for name, proc in procs.items():
         assert proc.returncode == 2, (name, proc.stdout, proc.stderr)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -320,7 +313,7 @@ def test_bad_input_is_one_line_and_exit_2_on_every_rank():
 def test_extreme_but_valid_values_through_mpirun():
     # huge values overflow a plain sum of squares, tiny ones underflow it: both must clip right
     for shards in ([[1e300, -1e300], [1e300]], [[1e-300, 5e-324], [-1e-300]]):
-        proc = mpirun(2, "--json", "--shards", json.dumps(shards), "--limit", "1e-310")
+        proc = demo_run(2, "--json", "--shards", json.dumps(shards), "--limit", "1e-310")
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         big = max(abs(v) for s in shards for v in s)
@@ -338,7 +331,7 @@ def test_extreme_but_valid_values_through_mpirun():
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "demo.png"
-    proc = mpirun(2, "--buggy", "--plot", str(path))
+    proc = demo_run(2, "--buggy", "--plot", str(path))
     assert proc.returncode == 0, proc.stderr
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -353,7 +346,7 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('matplotlib is hidden by the test')\n")
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
-    proc = mpirun(2, "--plot", str(tmp_path / "x.png"), env=env)
+    proc = demo_run(2, "--plot", str(tmp_path / "x.png"), env=env)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "pip install 'gclip[plot]'" in lines[0]
