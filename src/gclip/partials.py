@@ -334,29 +334,14 @@ class BinnedPowerSum:
             total += Fraction(count) * Fraction(2) ** (self.W * (i + self._BIN_LO))
         return total
 
-    def combine(self, partials: Sequence[np.ndarray]) -> np.ndarray:
-        """What the MPI SUM does on ranks, in one process (exact: small integers)."""
-        return np.sum(np.asarray(partials, dtype=np.float64).reshape(len(partials), self.size), axis=0)
-
-    def power(self, combined: np.ndarray) -> tuple[float, int]:
-        """The sum as (mant, exp): sum = mant * 2**(p*exp), mant rounded once."""
-        return self._power(self.exact(combined))
-
     def _power(self, total: Fraction | float) -> tuple[float, int]:
+        """The sum as (mant, exp): sum = mant * 2**(p*exp), mant rounded once."""
         if isinstance(total, float) or total == 0:
             return float(total), 0
         # scale into range before rounding to float once
         shift = (total.numerator.bit_length() - total.denominator.bit_length()) // self.p
-        scaled = (
-            total / Fraction(2) ** (self.p * shift)
-            if shift >= 0
-            else total * Fraction(2) ** (-self.p * shift)
-        )
+        scaled = total * Fraction(2) ** (-self.p * shift)  # exact
         return float(scaled), shift
-
-    def norm(self, combined: np.ndarray) -> float:
-        mant, exp = self.power(combined)
-        return root(mant, exp, float(self.p))
 
     def summary(self, combined: np.ndarray) -> tuple[float, tuple[float, int]]:
         """(norm, power) from one decoding of the digits."""
