@@ -59,5 +59,14 @@ def test_float32_sum_of_squares_is_float64_accurate(kernels, numpy_only):
     assert compiled == pytest.approx(float(kernels.sumsq_f32(x)), rel=0, abs=0)
 
 
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 255, 256, 257, 4095, 4096, 4097, 4352, 4353, 9000])
+def test_float32_kernel_counts_every_element_once(kernels, n):
+    # the kernel walks blocks and hints ahead: sizes around both edges, with
+    # powers of two whose sum is exact, so one lost or doubled element shows
+    x = np.ldexp(1.0, np.arange(n) % 20).astype(np.float32)
+    exact = math.fsum(np.square(x.astype(np.float64)).tolist())
+    assert float(kernels.sumsq_f32(x)) == exact
+
+
 def test_kernels_can_be_switched_off(numpy_only):
     assert numpy_only(_kernels.get) is None

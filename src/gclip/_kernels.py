@@ -47,13 +47,27 @@ def _compile() -> Any:
     # reassociation only: every sum below is of float64 values (sumsq) or of
     # whole numbers below 2**53 (digits), and the other operations are exact
     jit = numba.njit(fastmath={"reassoc"}, nogil=True, cache=True)
+    prefetch = _prefetch_intrinsic()
+
+    @jit
+    def sumsq(c):
+        s = 0.0
+        for i in range(c.size):
+            v = np.float64(c[i])
+            s += v * v
+        return s
 
     @jit
     def sumsq_f32(x):
+        # blocks of 1 KiB, each asking for the block 16 KiB ahead: with two ranks
+        # streaming at once, the hardware prefetcher alone leaves the loop waiting
+        # on memory (measured: 1.3x slower than BLAS, 1.0x with the hints)
         s = 0.0
-        for i in range(x.size):
-            v = np.float64(x[i])
-            s += v * v
+        n = x.size
+        for start in range(0, n, _BLOCK):
+            for line in range(start + _AHEAD, min(start + _BLOCK + _AHEAD, n), _LINE):
+                prefetch(x, line)
+            s += sumsq(x[start : start + _BLOCK])
         return s
 
     @jit
@@ -86,3 +100,35 @@ def _compile() -> Any:
         return d0, d1, d2
 
     return SimpleNamespace(sumsq_f32=sumsq_f32, digits=digits)
+
+
+_BLOCK = 256  # float32 elements summed between prefetch hints
+_AHEAD = 4096  # how far ahead the hints reach (16 KiB)
+_LINE = 16  # float32 elements per 64-byte cache line
+
+
+def _prefetch_intrinsic():
+    """``prefetch(a, i)``: a hint that a[i] will be read soon (LLVM's
+    llvm.prefetch: read, keep in all cache levels). Never faults."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, arr, idx):
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+            rw, locality, data = (ir.Constant(i32, v) for v in (0, 3, 1))
+            builder.call(fn, [builder.bitcast(ptr, i8p), rw, locality, data])
+            return context.get_dummy_value()
+
+        return types.void(arr, idx), codegen
+
+    return prefetch
