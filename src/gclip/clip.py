@@ -8,6 +8,8 @@ mpi4py communicator; ``None`` means ``COMM_WORLD``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -45,6 +47,9 @@ def _as_arrays(grads: Any, inplace: bool) -> tuple[list[np.ndarray], bool]:
     items = [grads] if single else list(grads)
     arrays = []
     for i, g in enumerate(items):
+        if type(g) is np.ndarray and g.dtype in _FLOATS and (g.flags.writeable or not inplace):
+            arrays.append(g)  # the common case, checked in one line
+            continue
         where = "grads" if single else f"grads[{i}]"
         if inplace and isinstance(g, (list, tuple, numbers.Number)):
             raise GclipTypeError(f"{where}: inplace=True needs arrays, got {type(g).__name__}")
@@ -87,6 +92,7 @@ class _Call(NamedTuple):
 
 
 _NO_LIMIT = object()  # global_norm: no max_norm to check
+_FALLBACK_SPEC = engine.Spec(strategies.GLOBAL, 2.0, False)  # what a refusing rank reports
 
 
 def _prepare(
@@ -107,28 +113,47 @@ def _prepare(
     """
     arrays: list[np.ndarray] = []
     single = True
-    strategy, p, limit = strategies.GLOBAL, 2.0, math.nan
+    spec, limit = _FALLBACK_SPEC, math.nan  # replaced below, unless an argument is refused
     error: BaseException | None = None
-    extra: tuple = ()
     try:
-        strategy = strategies.get(mode)
-        p = _norm_type(norm_type)
-        if max_norm is not _NO_LIMIT:
-            limit = validate_limit(max_norm, "max_norm")
-        if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
-            raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
+        spec, limit = _settings(mode, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
         arrays, single = _as_arrays(grads, inplace)
-        extra = (("max_norm", limit), ("error_if_nonfinite", bool(error_if_nonfinite)))
         if replicated is not None:
             flags = [bool(f) for f in replicated]
             if len(flags) != len(arrays):
                 raise GclipValueError(f"replicated has {len(flags)} flags for {len(arrays)} arrays")
             replicated = flags
-            extra += (("replicated_elements", sum(a.size for a, f in zip(arrays, flags) if f)),)
+            shared = sum(a.size for a, f in zip(arrays, flags) if f)
+            spec = dataclasses.replace(spec, extra=(*spec.extra, ("replicated_elements", shared)))
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
         error, arrays, replicated = exc, [], None
-    spec = engine.Spec(strategy, p, bool(reproducible), extra)
     return _Call(arrays, single, spec, limit, bool(error_if_nonfinite), inplace, replicated, error)
+
+
+def _settings(*key: Any) -> tuple[engine.Spec, float]:
+    """The checked scalar arguments as (Spec, limit). A training loop passes the
+    same ones every step, so they are checked (and fingerprinted) once."""
+    try:
+        hash(key)
+    except TypeError:  # e.g. an array as max_norm: checked (and refused) uncached
+        return _check_settings(*key)
+    return _cached_settings(*key)
+
+
+def _check_settings(
+    mode: Any, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
+) -> tuple[engine.Spec, float]:
+    strategy = strategies.get(mode)
+    p = _norm_type(norm_type)
+    limit = validate_limit(max_norm, "max_norm") if max_norm is not _NO_LIMIT else math.nan
+    if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
+        raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
+    extra = (("max_norm", limit), ("error_if_nonfinite", error_if_nonfinite))
+    return engine.Spec(strategy, p, reproducible, extra), limit
+
+
+# typed: True, 1 and 1.0 are equal keys, but True is refused where 1 is not
+_cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
 
 
 def _world(comm: Any) -> Any:

@@ -81,14 +81,10 @@ class Spec:
         ]
         return ", ".join(f"{k}={v!r}" for k, v in items)
 
+    @functools.cached_property  # computed once per Spec: the clip caches its Specs
     def fingerprint(self) -> tuple[float, float]:
-        return _fingerprint(self)
-
-
-@functools.lru_cache(maxsize=256)  # a training loop asks the same question every step
-def _fingerprint(spec: Spec) -> tuple[float, float]:
-    crc = zlib.crc32(spec.describe().encode())
-    return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
+        crc = zlib.crc32(self.describe().encode())
+        return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
 
 
 # header slots: all SUM. Squares let every rank see a mismatch: sum(h^2)*R == sum(h)^2
@@ -115,7 +111,7 @@ def norm_program(
     """
     strategy = spec.strategy
     error: BaseException | None = None
-    local = _Local()
+    local = _NOTHING
     try:
         if check is not None:
             check()
@@ -123,28 +119,30 @@ def norm_program(
     except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
         error = exc
 
-    h1, h2 = spec.fingerprint()
+    h1, h2 = spec.fingerprint
     mine = _shares(strategy, rank) and strategy.share == "power"
-    header = np.array(
+    header = np.array(  # floats only: numpy builds it fastest
         [
-            error is not None,
+            1.0 if error is not None else 0.0,
             h1,
             h1 * h1,
             h2,
             h2 * h2,
-            local.count,
+            float(local.count),
             local.power if mine else 0.0,
-            local.rescue and mine,
-            not math.isfinite(local.norm),
-        ],
-        dtype=np.float64,
+            1.0 if local.rescue and mine else 0.0,
+            0.0 if math.isfinite(local.norm) else 1.0,
+        ]
     )
     total = (yield Reduce(header)).tolist()  # Python floats: cheaper to read than numpy scalars
     mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
     if total[_ERR] or mismatch:
         yield from _agree(error, spec, mismatch=mismatch and not total[_ERR])
 
-    norm, power = yield from _combine(local, spec, rank, total)
+    if _header_suffices(spec, local, total):  # the default L2 path: the header was the one collective
+        norm, power = partials.root(total[_SUM], 0, spec.norm_type), (total[_SUM], 0)
+    else:
+        norm, power = yield from _combine(local, spec, rank, total)
     norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
     if error_if_nonfinite:
         # decided on what every rank knows: the global norm, or (scope self) the header's count
@@ -179,10 +177,25 @@ class _Local(NamedTuple):
     norm: float = 0.0  # this rank's own norm
 
 
+_NOTHING = _Local()
+
+
+def _header_suffices(spec: Spec, local: _Local, total: list[float]) -> bool:
+    """The power sums of all ranks are in the header and no rank needs a rescue."""
+    strategy = spec.strategy
+    return (
+        strategy.scope == "all"
+        and strategy.share == "power"
+        and local.part is None
+        and not total[_RESCUE]
+        and not math.isinf(spec.norm_type)
+    )
+
+
 def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _Local:
     strategy, p = spec.strategy, spec.norm_type
     counted = _counted(arrays, replicated, rank, strategy)
-    count = sum(a.size for a in counted)
+    count = sum([a.size for a in counted])
     if math.isinf(p):
         top, nan = partials.max_abs(counted)
         return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top)
@@ -196,7 +209,7 @@ def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _
         return _Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm)
     power, rescue = partials.power_sum(counted, p)
     norm = _run_local(_rescued(counted, p, None)) if rescue else partials.root(power, 0, p)
-    return _Local(counted, count, power, rescue, norm=norm)
+    return _Local(counted, count, power, rescue, False, None, norm)
 
 
 def _shares(strategy: Strategy, rank: int) -> bool:
@@ -248,7 +261,7 @@ def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Genera
     if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
         norm = yield from _rescued(local.counted if shares else (), p, mine)
         return norm, None
-    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)
+    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # rank 0's sum (scope root)
 
 
 def _rescued(counted, p: float, mine) -> Generator:
@@ -297,8 +310,8 @@ def run_mpi(program: Program, comm) -> NormInfo:
     try:
         request = next(program)
         while True:
-            if isinstance(request, Reduce):
-                out = np.empty_like(request.data)
+            if type(request) is Reduce:
+                out = np.empty(request.data.size)
                 comm.Allreduce(request.data, out, op=MPI.MAX if request.op == "max" else MPI.SUM)
                 request = program.send(out)
             else:

@@ -114,12 +114,20 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     :func:`scaled_power_sum`). Non-finite data gives a non-finite sum and no
     rescue: the norm IS inf or NaN.
     """
-    chunk = chunk_size(arrays)
-    scratch = _Scratch(chunk)
     total = 0.0
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
-        for a in arrays:
-            total += _power_sum_one(a, p, scratch, chunk)
+        rest = []
+        for a in arrays:  # the common case, one call per array, no working buffer
+            s = _one_call_sum(a, p)
+            if s is None:
+                rest.append(a)
+            else:
+                total += s
+        if rest:
+            chunk = chunk_size(arrays)
+            scratch = _Scratch(chunk)
+            for a in rest:
+                total += _chunked_sum(a, p, scratch, chunk)
     if _SAFE_LO <= total <= _SAFE_HI:
         return total, False
     if total == 0.0 and not any(np.any(c) for a in arrays for c in iter_chunks(a)):
@@ -133,15 +141,22 @@ _SAFE_HI = 2.0**960  # ranks may still add up without overflow
 _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 
-def _power_sum_one(a: np.ndarray, p: float, scratch: _Scratch, chunk: int) -> float:
-    contiguous = a.flags.c_contiguous or a.flags.f_contiguous
-    if p == 2.0 and a.dtype == _FLOAT64 and contiguous:
-        flat = a.ravel(order="K")
-        return float(np.dot(flat, flat))  # BLAS, no temporary
-    if p == 2.0 and a.dtype == _FLOAT32 and contiguous and a.size >= _kernels.MIN_SIZE:
+def _one_call_sum(a: np.ndarray, p: float) -> float | None:
+    """sum x**2 in one call with no working buffer (BLAS dot on float64, the
+    compiled kernel on large float32), or None: the chunked route is needed."""
+    if p != 2.0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        return None
+    if a.dtype == _FLOAT64:
+        flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
+        return float(np.dot(flat, flat))
+    if a.dtype == _FLOAT32 and a.size >= _kernels.MIN_SIZE:
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation
-            return float(kernels.sumsq_f32(a.ravel(order="K")))
+            return float(kernels.sumsq_f32(a if a.ndim == 1 else a.ravel(order="K")))
+    return None
+
+
+def _chunked_sum(a: np.ndarray, p: float, scratch: _Scratch, chunk: int) -> float:
     total = 0.0
     for c in iter_chunks(a, chunk):
         if p == 2.0:

@@ -57,6 +57,8 @@ class Strategy:
     def finish(
         self, *, norm: float, p: float, count: int, ranks: int, power: tuple[float, int] | None = None
     ) -> float:
+        if self.finish_norm is _exact:  # the common case, without the keyword call
+            return norm
         return self.finish_norm(norm=norm, p=p, count=count, ranks=ranks, power=power)
 
     def scale(self, norm: float, max_norm: float) -> float:
