@@ -403,3 +403,13 @@ def test_clip_shards_numbers_beyond_float_are_a_gclip_error(shards, limit):
     with pytest.raises(GclipError) as info:
         gclip.clip_shards(shards, limit)
     assert _is_one_line(str(info.value))
+
+
+@pytest.mark.parametrize(("good", "bad"), [(1, True), (0, False), (1.0, "1.0"), (2.0, [2.0])])
+def test_checked_settings_are_not_reused_for_a_lookalike(good, bad):
+    # the scalar arguments are checked once per set and remembered: True == 1 and
+    # hash(True) == hash(1), yet True must still be refused after 1 was accepted
+    x = np.array([3.0, 4.0])
+    assert gclip.clip_simulated([x], good)[0].total_norm == 5.0
+    with pytest.raises(GclipError, match="max_norm must be a number"):
+        gclip.clip_simulated([x], bad)
