@@ -69,7 +69,7 @@ def test_quick_run_has_every_case(quick):
     assert cases == {(d, n, a) for d in ("float64", "float32") for n in (1000, 10000) for a in (False, True)}
     for case in cases:
         impls = {r["impl"] for r in result["rows"] if (r["dtype"], r["n"], r["active"]) == case}
-        assert {"floor", "gclip", "gclip-repro"} <= impls
+        assert {"floor", "bare", "gclip", "gclip-repro"} <= impls
     # the table is printed once, by rank 0
     assert proc.stdout.count("x floor") == 1
     assert "targets:" in proc.stdout
@@ -95,7 +95,9 @@ def test_quick_run_times_and_ratios_are_sane(quick):
         assert 1e-3 < r["vs_floor"] < 1e5
         if r["impl"] == "gclip-repro":
             assert math.isclose(r["vs_default"], r["median_s"] / same["gclip"]["median_s"], rel_tol=1e-9)
-    assert result["allreduce8_s"] > 0
+        if r["impl"] == "gclip":
+            assert math.isclose(r["vs_bare"], r["median_s"] / same["bare"]["median_s"], rel_tol=1e-9)
+    assert result["allreduce_s"] > 0
 
 
 @pytest.mark.slow
@@ -173,7 +175,7 @@ def test_json_to_stdout_and_plot(tmp_path):
     proc = _run(*args)
     _ok(proc)
     result = json.loads(proc.stdout)  # stdout holds only the JSON
-    assert {r["impl"] for r in result["rows"]} == {"floor", "gclip", "gclip-repro"}
+    assert {r["impl"] for r in result["rows"]} == {"floor", "bare", "gclip", "gclip-repro"}
     assert "x floor" in proc.stderr  # the table moved to stderr
     if has_plot:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

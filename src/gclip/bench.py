@@ -10,6 +10,8 @@ inactive (max_norm above the norm: nothing to write) and active:
 - ``floor``: what no clip can beat on one rank, with no communication: a BLAS
   dot in the shard's dtype (``np.dot(x, x)``) plus, when active, one in-place
   scale (``np.multiply(x, s, out=x)``).
+- ``bare``: the floor plus the one all-reduce (of a header-sized buffer),
+  nothing checked: the least a distributed clip can cost.
 - ``gclip``: ``gclip.clip_by_global_norm(x, max_norm, inplace=True)``.
 - ``gclip-repro``: the same with ``reproducible=True``.
 - ``torch``: with the ``[bench]`` extra, the FSDP-style clip over a gloo
@@ -35,7 +37,7 @@ and coefficient; the floor's known factor); every gclip rep re-reads the true
 norm, and a rep that did not clip is counted in ``misses`` (expected 0).
 
 Besides time: the collectives per clip (a counting proxy passed as ``comm``),
-the time of a bare 8-double ``Allreduce``, and the peak extra memory of an
+the time of a bare ``Allreduce`` of the clip's header (9 doubles), and the peak extra memory of an
 in-place clip (tracemalloc, which numpy reports to; and the peak-RSS growth,
 where Linux lets it be reset). BLAS and OpenMP threads are pinned to 1 per
 rank unless the environment sets them (``--threads N`` overrides): ranks
@@ -333,15 +335,17 @@ def slowest_rank_medians(per_rank: Sequence[dict[str, list]]) -> dict[str, dict[
     return out
 
 
-def time_allreduce8(comm: Any, repeat: int = 300) -> float:
-    """Median time of a bare 8-double SUM Allreduce (slowest rank per rep)."""
+def time_allreduce(comm: Any, repeat: int = 300) -> float:
+    """Median time of a bare SUM Allreduce of the clip's header size (slowest rank per rep)."""
     import numpy as np
     from mpi4py import MPI
 
-    buf, out = np.zeros(8), np.empty(8)
-    times = _time_reps(comm, [("allreduce8", lambda: comm.Allreduce(buf, out, op=MPI.SUM))], repeat)
+    from .engine import HEADER_SIZE
+
+    buf, out = np.zeros(HEADER_SIZE), np.empty(HEADER_SIZE)
+    times = _time_reps(comm, [("allreduce", lambda: comm.Allreduce(buf, out, op=MPI.SUM))], repeat)
     every = comm.gather(times, root=0)
-    return slowest_rank_medians(every)["allreduce8"]["median_s"] if every else math.nan
+    return slowest_rank_medians(every)["allreduce"]["median_s"] if every else math.nan
 
 
 class _Norm:
@@ -369,6 +373,20 @@ def _ops(x: Any, norm: _Norm, active: bool, torch_ctx: Any, comm: Any) -> list:
             np.multiply(x, 1.0 - DELTA, out=x)
             norm.value *= 1.0 - DELTA
 
+    from mpi4py import MPI
+
+    from .engine import HEADER_SIZE
+
+    header, total = np.zeros(HEADER_SIZE), np.empty(HEADER_SIZE)
+
+    def bare() -> None:  # the floor plus the one all-reduce, nothing checked: no clip can beat it
+        header[-1] = np.dot(x, x)
+        comm.Allreduce(header, total, op=MPI.SUM)
+        math.sqrt(total[-1])
+        if active:
+            np.multiply(x, 1.0 - DELTA, out=x)
+            norm.value *= 1.0 - DELTA
+
     def clip(reproducible: bool) -> Callable[[], None]:
         def run() -> None:
             res = gclip.clip_by_global_norm(x, limit(), comm=comm, inplace=True, reproducible=reproducible)
@@ -378,7 +396,7 @@ def _ops(x: Any, norm: _Norm, active: bool, torch_ctx: Any, comm: Any) -> list:
 
         return run
 
-    ops = [("floor", floor), ("gclip", clip(False)), ("gclip-repro", clip(True))]
+    ops = [("floor", floor), ("bare", bare), ("gclip", clip(False)), ("gclip-repro", clip(True))]
     if torch_ctx is not None:
         ops += torch_ctx.ops(x, norm, limit, active)
     return ops
@@ -603,6 +621,8 @@ def case_rows(n: int, dtype: str, itemsize: int, active: bool, got: dict[str, An
         }
         if impl == "gclip-repro":
             row["vs_default"] = t["median_s"] / default
+        if impl == "gclip":
+            row["vs_bare"] = t["median_s"] / times["bare"]["median_s"]
         if impl.startswith("torch"):
             row["gclip_vs_this"] = default / t["median_s"]
         if impl.startswith("gclip"):
@@ -632,7 +652,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
             f"warning: load average {load_start:.1f} at the start: other processes compete, timings are noisy"
         )
     start = time.perf_counter()
-    ar8 = time_allreduce8(comm)
+    ar = time_allreduce(comm)
     collectives = _collective_counts(comm)
     rows: list[dict] = []
     memory: list[dict] = []
@@ -663,11 +683,11 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "environment": _environment(np),
         "torch": torch_ctx.torch.__version__ if torch_ctx is not None else None,
         "torch_note": torch_note,
-        "allreduce8_s": ar8,
+        "allreduce_s": ar,
         "collectives": collectives,
         "rows": rows,
         "memory": memory,
-        "targets": targets(rows, memory, collectives, ar8),
+        "targets": targets(rows, memory, collectives, ar),
         "seconds": time.perf_counter() - start,
         "load_average": {"start": load_start, "end": _load()},
     }
@@ -782,7 +802,7 @@ def _row(rows: list[dict], n: int, dtype: str, active: bool, impl: str) -> dict 
     return None
 
 
-def targets(rows: list[dict], memory: list[dict], collectives: dict, ar8: float) -> list[dict]:
+def targets(rows: list[dict], memory: list[dict], collectives: dict, ar: float) -> list[dict]:
     """The performance targets, each with its measured value and a verdict."""
     out = []
 
@@ -801,14 +821,15 @@ def targets(rows: list[dict], memory: list[dict], collectives: dict, ar8: float)
         where = f"worst: {worst['dtype']} {_fmt_n(worst['n'])} {'active' if worst['active'] else 'inactive'}"
         add("gclip / torch, every case", worst["gclip_vs_this"], 1.0, worst["gclip_vs_this"] <= 1.0, where)
     small = _row(rows, 10**4, "float64", False, "gclip")
-    if small is not None:
-        share = ar8 / small["median_s"]
+    bare = _row(rows, 10**4, "float64", False, "bare")
+    if small is not None and bare is not None:
+        share = ar / small["median_s"]
         add(
-            "1e4 float64 step: share of one 8-double Allreduce",
+            "1e4 float64 step: share of one Allreduce",
             share,
             0.5,
             share >= 0.5,
-            "at least the limit",
+            f"at least the limit; the bare step, dot + Allreduce, unchecked: {ar / bare['median_s']:.2f}",
         )
     for mode in ("default", "reproducible"):
         big = [m for m in memory if m["mode"] == mode and m["n"] >= 10**6]
@@ -849,7 +870,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The human table: one line per (dtype, size, clip state)."""
     rows = result["rows"]
     has_torch = any(r["impl"] == "torch" for r in rows)
-    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "repro", "x dflt"]
+    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "x bare"]
+    head += ["repro", "x dflt"]
     if has_torch:
         head += ["torch", "gclip/torch", "torch-f64acc"]
     lines = [head]
@@ -862,7 +884,8 @@ def format_table(result: dict[str, Any]) -> str:
         p = _row(rows, n, dtype, active, "gclip-repro")
         line = [dtype, _fmt_n(n), "active" if active else "off"]
         line += [_fmt_t(f["median_s"]), f"{f['gb_per_s']:.2f}", _fmt_t(g["median_s"]), f"{g['gb_per_s']:.2f}"]
-        line += [f"{g['vs_floor']:.2f}", _fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
+        line += [f"{g['vs_floor']:.2f}", f"{g['vs_bare']:.2f}"]
+        line += [_fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
         if has_torch:
             t = _row(rows, n, dtype, active, "torch")
             t64 = _row(rows, n, dtype, active, "torch-f64acc")
@@ -879,7 +902,7 @@ def format_table(result: dict[str, Any]) -> str:
         f" caches {result['caches']}.\n"
         "GB/s: per rank, n*itemsize bytes when off (one read), 3x when active (read, read, write)."
     )
-    out.append(f"bare 8-double Allreduce: {_fmt_t(result['allreduce8_s'])}; {result['torch_note']}")
+    out.append(f"bare header-sized Allreduce: {_fmt_t(result['allreduce_s'])}; {result['torch_note']}")
     load = result["load_average"]
     out.append(f"load average: {load['start']:.2f} at the start, {load['end']:.2f} at the end")
     env = result["environment"]["env"]
@@ -1079,7 +1102,7 @@ def sweep_rows(runs: Sequence[dict]) -> list[dict]:
                         "gclip_s": r["median_s"],
                         "floor_s": f["median_s"],
                         "vs_floor": r["vs_floor"],
-                        "allreduce8_s": run["allreduce8_s"],
+                        "allreduce_s": run["allreduce_s"],
                     }
                 )
     return rows
@@ -1104,10 +1127,10 @@ def format_sweep(result: dict[str, Any]) -> str:
             else:
                 line += ["-", "-", "-"]
         lines.append(line)
-    ar = {r["ranks"]: r["allreduce8_s"] for r in rows}
+    ar = {r["ranks"]: r["allreduce_s"] for r in rows}
     note = ", ".join(f"R={k}: {_fmt_t(ar[k])}" for k in ranks)
     over = [k for k in ranks if k > result["cpus"]]
-    text = [_columns(lines), "", f"bare 8-double Allreduce: {note}"]
+    text = [_columns(lines), "", f"bare header-sized Allreduce: {note}"]
     if over:
         text.append(
             f"R={','.join(map(str, over))} oversubscribes the {result['cpus']} cores: ranks take turns on"
