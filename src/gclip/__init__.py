@@ -2,11 +2,25 @@
 
 When a gradient is sharded over R ranks, clipping must use the GLOBAL norm:
 each rank's local sum of squares, one all-reduce, the same scale on every rank.
+
+The core is the modules here (``clip``, ``layout``, ``engine``, ``partials``,
+``strategies``, ``errors``, ``contract``); the lab around it is the
+subpackages, each run as ``python -m gclip.X``: ``demo``, ``train``,
+``conformance`` (the judge) and ``bench``.
 """
 
-from .clip import ClipResult, apply_scale, clip_by_global_norm, clip_simulated, global_norm
+from .clip import (
+    ClipResult,
+    apply_scale,
+    clip_by_global_norm,
+    clip_scale,
+    clip_simulated,
+    clip_with_norm,
+    global_norm,
+)
 from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
+from .layout import Group, Mesh
 from .strategies import BUGS, STRATEGIES
 
 __all__ = [
@@ -16,12 +30,16 @@ __all__ = [
     "GclipError",
     "GclipTypeError",
     "GclipValueError",
+    "Group",
+    "Mesh",
     "NonFiniteNormError",
     "apply_scale",
     "clip_by_global_norm",
+    "clip_scale",
     "clip_shards",
     "clip_simulated",
+    "clip_with_norm",
     "global_norm",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,39 +1,49 @@
 """The public API: the global norm, the scale, and the clip.
 
-``grads`` is this rank's part of the gradient: one array or a list of arrays
-of any shapes (float16, float32 or float64; numpy arrays, or anything with the
-buffer protocol or ``__array__``, e.g. torch CPU tensors). ``comm`` is an
-mpi4py communicator; ``None`` means ``COMM_WORLD``.
+``grads`` is this rank's part of the gradient: one array, or a list, tuple or
+any iterable of arrays of any shapes (float16, float32 or float64, either byte
+order; numpy arrays, or anything numpy can view without a copy). The same
+array given twice (tied weights) counts once and is scaled once.
+
+``comm`` is an mpi4py communicator; ``None`` means ``COMM_WORLD``, and is
+refused when MPI sees one rank but the process was started as one of several
+(torchrun, a launcher without MPI support): clipping alone there is the very
+bug gclip exists to prevent.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import numbers
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import engine, strategies
-from .contract import validate_limit
-from .errors import GclipTypeError, GclipValueError
+from . import _validate, engine, layout, strategies
+from .errors import GclipError, GclipTypeError
 
-__all__ = ["ClipResult", "apply_scale", "clip_by_global_norm", "clip_simulated", "global_norm"]
-
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+__all__ = [
+    "ClipResult",
+    "apply_scale",
+    "clip_by_global_norm",
+    "clip_scale",
+    "clip_simulated",
+    "clip_with_norm",
+    "global_norm",
+]
 
 
 class ClipResult(NamedTuple):
     """What :func:`clip_by_global_norm` returns (the same on every rank but ``grads``)."""
 
-    grads: Any  # same layout as given: one array, or a list of arrays
+    grads: Any  # the layout given: one array, a list or a tuple
     total_norm: float  # the global norm, as computed (inf or NaN if the gradient is)
     scale: float  # the factor applied: min(1, max_norm / total_norm), 1 if not finite
     finite: bool  # False: the norm is inf/NaN and the gradients were left untouched
-    local_norm: float  # this rank's own norm (its arrays only)
+    local_norm: float  # this rank's own norm (the arrays it counts)
     local_power: float  # this rank's sum |x|**p (its max |x| for the inf-norm)
 
     @property
@@ -41,93 +51,63 @@ class ClipResult(NamedTuple):
         return self.scale < 1.0
 
 
-def _as_arrays(grads: Any, inplace: bool) -> tuple[list[np.ndarray], bool]:
-    """(arrays, single): views of what was given, never copies."""
-    single = not isinstance(grads, (list, tuple))
-    items = [grads] if single else list(grads)
-    arrays = []
-    for i, g in enumerate(items):
-        if type(g) is np.ndarray and g.dtype in _FLOATS and (g.flags.writeable or not inplace):
-            arrays.append(g)  # the common case, checked in one line
-            continue
-        where = "grads" if single else f"grads[{i}]"
-        if inplace and isinstance(g, (list, tuple, numbers.Number)):
-            raise GclipTypeError(f"{where}: inplace=True needs arrays, got {type(g).__name__}")
-        try:
-            a = np.asarray(g)
-        except Exception as exc:  # noqa: BLE001 - any failure here is a type error of the input
-            raise GclipTypeError(f"{where}: cannot be read as an array ({exc})") from None
-        if a.dtype not in _FLOATS:
-            raise GclipTypeError(
-                f"{where} has dtype {a.dtype}; gclip clips float16, float32 or float64 arrays"
-            )
-        if inplace and not a.flags.writeable:
-            raise GclipValueError(f"{where} is read-only; inplace=True needs writable arrays")
-        arrays.append(a)
-    return arrays, single
-
-
-def _norm_type(norm_type: Any) -> float:
-    if isinstance(norm_type, str) and norm_type.strip().lower() in ("inf", "infinity"):
-        return math.inf
-    if not isinstance(norm_type, numbers.Real) or isinstance(norm_type, bool):
-        raise GclipTypeError(f"norm_type must be a number or 'inf', got {type(norm_type).__name__}")
-    p = float(norm_type)
-    if math.isnan(p) or p <= 0:
-        raise GclipValueError(f"norm_type must be > 0 or inf, got {p!r}")
-    return p
+# ---------------------------------------------------------------------------
+# one rank's checked call
 
 
 class _Call(NamedTuple):
     """One rank's checked arguments (or the error to agree on)."""
 
-    arrays: list[np.ndarray]
-    single: bool
+    grads: _validate.Grads
     spec: engine.Spec
     max_norm: float
     error_if_nonfinite: bool
     inplace: bool
-    replicated: Sequence[bool] | None
+    counting: engine.Counting
     error: BaseException | None
 
 
 _NO_LIMIT = object()  # global_norm: no max_norm to check
 _FALLBACK_SPEC = engine.Spec(strategies.GLOBAL, 2.0, False)  # what a refusing rank reports
+_NOTHING = _validate.Grads([], None, list)
 
 
 def _prepare(
     grads: Any,
     max_norm: Any,
     *,
-    norm_type: Any,
-    mode: Any,
+    rank: int,
+    size: int,
+    comm: Any = None,
+    norm_type: Any = 2.0,
+    mode: Any = "global",
     inplace: bool = False,
     reproducible: bool = False,
     error_if_nonfinite: bool = False,
-    replicated: Sequence[bool] | None = None,
+    replicated: Sequence[Any] | None = None,
 ) -> _Call:
     """Check every argument; an error is kept, to be agreed on by all ranks.
 
-    The fingerprint that ranks compare holds the checked values (1 and 1.0 are
-    the same limit) and the size of the replicated arrays (which must match).
+    The fingerprint that ranks compare holds the checked scalar values (1 and
+    1.0 are the same limit); what each group of ranks holds in common is
+    checked by the layout's ring sums (see ``layout``).
     """
-    arrays: list[np.ndarray] = []
-    single = True
-    spec, limit = _FALLBACK_SPEC, math.nan  # replaced below, unless an argument is refused
+    given, spec, limit = _NOTHING, _FALLBACK_SPEC, math.nan  # kept if an argument is refused
+    counting = engine.EVERY_ARRAY
     error: BaseException | None = None
     try:
         spec, limit = _settings(mode, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
-        arrays, single = _as_arrays(grads, inplace)
+        given = _validate.grads(grads, inplace)
         if replicated is not None:
-            flags = [bool(f) for f in replicated]
-            if len(flags) != len(arrays):
-                raise GclipValueError(f"replicated has {len(flags)} flags for {len(arrays)} arrays")
-            replicated = flags
-            shared = sum(a.size for a, f in zip(arrays, flags) if f)
-            spec = dataclasses.replace(spec, extra=(*spec.extra, ("replicated_elements", shared)))
+            if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
+                raise GclipTypeError(
+                    f"replicated must be a list with one entry per array, got {type(replicated).__name__}"
+                )
+            entries = given.per_array(replicated, "replicated")
+            counting = layout.counting(entries, given.arrays, rank=rank, size=size, comm=comm)
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
-        error, arrays, replicated = exc, [], None
-    return _Call(arrays, single, spec, limit, bool(error_if_nonfinite), inplace, replicated, error)
+        error, given, counting = exc, _NOTHING, engine.EVERY_ARRAY
+    return _Call(given, spec, limit, bool(error_if_nonfinite), inplace, counting, error)
 
 
 def _settings(*key: Any) -> tuple[engine.Spec, float]:
@@ -135,7 +115,7 @@ def _settings(*key: Any) -> tuple[engine.Spec, float]:
     same ones every step, so they are checked (and fingerprinted) once."""
     try:
         hash(key)
-    except TypeError:  # e.g. an array as max_norm: checked (and refused) uncached
+    except TypeError:  # e.g. an array as max_norm: checked uncached
         return _check_settings(*key)
     return _cached_settings(*key)
 
@@ -144,10 +124,10 @@ def _check_settings(
     mode: Any, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
 ) -> tuple[engine.Spec, float]:
     strategy = strategies.get(mode)
-    p = _norm_type(norm_type)
-    limit = validate_limit(max_norm, "max_norm") if max_norm is not _NO_LIMIT else math.nan
+    p = _validate.norm_type(norm_type)
+    limit = _validate.max_norm(max_norm) if max_norm is not _NO_LIMIT else math.nan
     if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
-        raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
+        raise _validate.GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
     extra = (("max_norm", limit), ("error_if_nonfinite", error_if_nonfinite))
     return engine.Spec(strategy, p, reproducible, extra), limit
 
@@ -156,36 +136,83 @@ def _check_settings(
 _cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
 
 
-def _world(comm: Any) -> Any:
-    if comm is None:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD
-    return comm
-
-
 def _program(call: _Call, rank: int, size: int) -> engine.Program:
     def check() -> None:
         if call.error is not None:
             raise call.error
 
     return engine.norm_program(
-        call.arrays,
+        call.grads.arrays,
         call.spec,
         rank=rank,
         size=size,
-        replicated=call.replicated,
+        counting=call.counting,
         check=check,
         error_if_nonfinite=call.error_if_nonfinite,
     )
 
 
-def _finish(call: _Call, info: engine.NormInfo, grads: Any) -> ClipResult:
+def _finish(call: _Call, info: engine.NormInfo) -> ClipResult:
     """The scale, applied. A non-finite norm was already raised on every rank if asked."""
     norm = info.norm
     scale = call.spec.strategy.scale(norm, call.max_norm)
-    out = _scaled(call.arrays, call.single, scale, call.inplace, grads)
+    out = _scaled(call.grads, scale, call.inplace)
     return ClipResult(out, norm, scale, math.isfinite(norm), info.local_norm, info.local_power)
+
+
+# ---------------------------------------------------------------------------
+# the communicator
+
+
+def _world(comm: Any) -> Any:
+    """The communicator to clip over, or a one-line error (raised alike on every rank)."""
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() == 1:
+            _refuse_lone_rank()
+        return comm
+    if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
+        hint = ""
+        if "torch" in type(comm).__module__:
+            hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
+        raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
+    return comm
+
+
+# launchers that say how many processes they started; MPI seeing one means it was not told
+LAUNCHER_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_size() -> tuple[int, str] | None:
+    """(processes, who says so) when this process was started as one of several, else None."""
+    for var in LAUNCHER_SIZE_VARS:
+        try:
+            n = int(os.environ.get(var, "1"))
+        except ValueError:
+            continue
+        if n > 1:
+            return n, f"{var}={n}"
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_world_size(), f"torch.distributed world size {dist.get_world_size()}"
+    return None
+
+
+def _refuse_lone_rank() -> None:
+    launched = launched_size()
+    if launched is not None:
+        n, why = launched
+        raise GclipError(
+            f"comm=None: MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
+            "would use this process's own norm. Start the job with mpirun, pass comm=, or use "
+            "gclip.torch.clip_grad_norm_ (it takes the torch.distributed group)"
+        )
+
+
+# ---------------------------------------------------------------------------
+# the API
 
 
 def global_norm(
@@ -194,28 +221,41 @@ def global_norm(
     comm: Any = None,
     norm_type: float | str = 2.0,
     reproducible: bool = False,
-    replicated: Sequence[bool] | None = None,
+    replicated: Sequence[Any] | None = None,
+    error_if_nonfinite: bool = False,
     mode: str = "global",
 ) -> float:
     """The norm of the whole gradient, whose parts live on the ranks of ``comm``.
 
-    Each rank reduces its own arrays to a partial (in float64), one all-reduce
-    combines the partials, and every rank gets the same float.
+    Each rank reduces the arrays it counts to a partial (in float64), one
+    all-reduce combines the partials, and every rank gets the same float.
 
     Args:
-        grads: this rank's arrays (one array or a list).
-        comm: mpi4py communicator over which the gradient is sharded (None: COMM_WORLD).
+        grads: this rank's arrays (one array, or a list, tuple or iterable).
+        comm: mpi4py communicator over which the gradient lives (None: COMM_WORLD).
         norm_type: p > 0, or ``inf`` / ``"inf"`` for the max-norm.
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
-        replicated: one flag per array; a flagged array is the same on every rank of
-            ``comm`` and counts once, not once per rank.
+        replicated: one entry per array: False (a shard), True (the same on
+            every rank of ``comm``) or the communicator of the ranks that hold
+            identical copies; a copy counts once (see ``gclip.layout``).
+        error_if_nonfinite: raise NonFiniteNormError on every rank if the norm is inf or NaN.
         mode: ``"global"``, or the name of a gallery bug (see ``gclip.strategies``).
     """
     comm = _world(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
     call = _prepare(
-        grads, _NO_LIMIT, norm_type=norm_type, mode=mode, reproducible=reproducible, replicated=replicated
+        grads,
+        _NO_LIMIT,
+        rank=rank,
+        size=size,
+        comm=comm,
+        norm_type=norm_type,
+        mode=mode,
+        reproducible=reproducible,
+        replicated=replicated,
+        error_if_nonfinite=error_if_nonfinite,
     )
-    return engine.run_mpi(_program(call, comm.Get_rank(), comm.Get_size()), comm).norm
+    return engine.run_mpi(_program(call, rank, size), comm).norm
 
 
 def clip_by_global_norm(
@@ -228,7 +268,7 @@ def clip_by_global_norm(
     error_if_nonfinite: bool = False,
     inplace: bool = False,
     reproducible: bool = False,
-    replicated: Sequence[bool] | None = None,
+    replicated: Sequence[Any] | None = None,
 ) -> ClipResult:
     """Scale this rank's arrays by min(1, max_norm / global norm), the same on every rank.
 
@@ -239,7 +279,7 @@ def clip_by_global_norm(
     the step.
 
     Args:
-        grads: this rank's arrays (one array or a list).
+        grads: this rank's arrays (one array, or a list, tuple or iterable).
         max_norm: the limit, finite and >= 0.
         inplace: scale the given arrays in place (skipped when the scale is 1);
             otherwise new arrays of the same dtypes are returned.
@@ -249,9 +289,13 @@ def clip_by_global_norm(
         ClipResult with ``grads`` in the layout given, ``total_norm``, ``scale``, ...
     """
     comm = _world(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
     call = _prepare(
         grads,
         max_norm,
+        rank=rank,
+        size=size,
+        comm=comm,
         norm_type=norm_type,
         mode=mode,
         inplace=inplace,
@@ -259,8 +303,8 @@ def clip_by_global_norm(
         error_if_nonfinite=error_if_nonfinite,
         replicated=replicated,
     )
-    info = engine.run_mpi(_program(call, comm.Get_rank(), comm.Get_size()), comm)
-    return _finish(call, info, grads)
+    info = engine.run_mpi(_program(call, rank, size), comm)
+    return _finish(call, info)
 
 
 def clip_simulated(
@@ -270,57 +314,88 @@ def clip_simulated(
     norm_type: float | str = 2.0,
     mode: str = "global",
     reproducible: bool = False,
-    replicated: Sequence[bool] | None = None,
+    replicated: Sequence[Any] | None = None,
     error_if_nonfinite: bool = False,
+    inplace: bool = False,
 ) -> list[ClipResult]:
     """:func:`clip_by_global_norm` on ``len(ranks)`` simulated ranks, in one process.
 
-    ``ranks[r]`` is what rank r would pass as ``grads``. The same engine runs
-    as on real ranks; only the all-reduce is a sum over a list.
+    ``ranks[r]`` is what rank r would pass as ``grads``. ``replicated`` is one
+    list for every rank (flags), or one list per rank (``replicated[r]``, with
+    :class:`gclip.layout.Group` entries for groups). The same engine runs as on
+    real ranks; only the all-reduce is a sum over a list.
     """
+    size = len(ranks)
+    per_rank = (
+        isinstance(replicated, (list, tuple))
+        and len(replicated) > 0
+        and all(isinstance(r, (list, tuple)) for r in replicated)
+    )
+    if per_rank and len(replicated) != size:  # type: ignore[arg-type]
+        raise _validate.GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")  # type: ignore[arg-type]
     calls = [
         _prepare(
             g,
             max_norm,
+            rank=r,
+            size=size,
             norm_type=norm_type,
             mode=mode,
+            inplace=inplace,
             reproducible=reproducible,
             error_if_nonfinite=error_if_nonfinite,
-            replicated=replicated,
+            replicated=replicated[r] if per_rank else replicated,  # type: ignore[index]
         )
-        for g in ranks
+        for r, g in enumerate(ranks)
     ]
-    infos = engine.run_simulated([_program(c, r, len(ranks)) for r, c in enumerate(calls)])
-    return [_finish(c, i, g) for c, i, g in zip(calls, infos, ranks)]
+    infos = engine.run_simulated([_program(c, r, size) for r, c in enumerate(calls)])
+    return [_finish(c, i) for c, i in zip(calls, infos)]
+
+
+def clip_scale(total_norm: float, max_norm: float) -> float:
+    """The scale a clip applies: min(1, max_norm / total_norm); 1 for a zero norm;
+    1 for an inf or NaN norm (the gradient is left untouched: skip the step)."""
+    limit = _validate.max_norm(max_norm)
+    norm = _validate._scalar(total_norm, "total_norm")
+    if norm < 0:
+        raise _validate.GclipValueError(f"total_norm must be >= 0, got {norm!r}")
+    return strategies.GLOBAL.scale(norm, limit)
+
+
+def clip_with_norm(grads: Any, max_norm: float, total_norm: float, *, inplace: bool = False) -> Any:
+    """The second half of a clip, for a norm already known (e.g. from :func:`global_norm`):
+    ``apply_scale(grads, clip_scale(total_norm, max_norm))``. Local: no communication."""
+    return apply_scale(grads, clip_scale(total_norm, max_norm), inplace=inplace)
 
 
 def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
-    """Multiply arrays by ``scale``: the second half of a clip.
+    """Multiply arrays by ``scale`` (finite, >= 0), each in its own dtype.
 
-    The product is computed in float64 and rounded once to each array's dtype,
-    chunk by chunk (no full-size temporary). In place, a scale of exactly 1
-    touches nothing. Returns the same layout as given (in place: the very
-    objects given).
+    float64 is multiplied as it is; float32 by the scale rounded toward zero
+    (so rounding cannot lift a clipped norm above its limit); float16 in
+    float64, rounded once. In place, a scale of exactly 1 touches nothing and
+    the very objects given come back; an array given twice is scaled once.
+    Returns the layout given (a tuple stays a tuple).
     """
-    arrays, single = _as_arrays(grads, inplace)
-    return _scaled(arrays, single, float(scale), inplace, grads)
+    s = _validate.scale(scale)
+    return _scaled(_validate.grads(grads, inplace), s, inplace)
 
 
-def _scaled(arrays: list[np.ndarray], single: bool, scale: float, inplace: bool, given: Any) -> Any:
+def _scaled(given: _validate.Grads, scale: float, inplace: bool) -> Any:
     if inplace:
         if scale != 1.0:  # exactly 1: nothing to do, not even a read
-            for a in arrays:
+            for a in given.arrays:
                 _multiply(a, scale, a)
-        return given
+        return given.as_given()
     out = []
-    for a in arrays:
+    for a in given.arrays:
         b = np.empty_like(a)
         if scale == 1.0:
             np.copyto(b, a)
         else:
             _multiply(a, scale, b)
         out.append(b)
-    return out[0] if single else out
+    return given.rebuild(out)
 
 
 def _multiply(src: np.ndarray, scale: float, dst: np.ndarray) -> None:
@@ -332,9 +407,9 @@ def _multiply(src: np.ndarray, scale: float, dst: np.ndarray) -> None:
     float16: computed in float64 and rounded once (an 11-bit scale would be off
     by up to 5e-4).
     """
-    if src.dtype == np.float64:
+    if src.dtype.itemsize == 8:
         np.multiply(src, scale, out=dst)
-    elif src.dtype == np.float32:
+    elif src.dtype.itemsize == 4:
         s32 = np.float32(scale)
         if float(s32) > scale:
             s32 = np.nextafter(s32, np.float32(0.0))

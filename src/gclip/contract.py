@@ -12,16 +12,17 @@ per shard) in the reproducible mode, so it gives the very bits a real
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from . import _validate
+from .clip import clip_simulated
 from .errors import GclipTypeError, GclipValueError
 
-__all__ = ["DIGITS", "Check", "clip_shards", "seed_checks", "validate_limit", "validate_shards"]
+__all__ = ["DIGITS", "Check", "clip_shards", "rounded", "seed_checks", "validate_shards"]
 
 DIGITS = 12  # the contract rounds results to 12 decimals
 
@@ -51,19 +52,6 @@ def _is_number(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def validate_limit(limit: object, name: str = "limit") -> float:
-    """A finite, non-negative real number, or a one-line error."""
-    if not _is_number(limit):
-        raise GclipTypeError(f"{name} must be a number, got {type(limit).__name__}")
-    try:
-        value = float(limit)  # type: ignore[arg-type]
-    except OverflowError:
-        raise GclipValueError(f"{name} must be finite and >= 0, got an integer beyond float") from None
-    if not math.isfinite(value) or value < 0:
-        raise GclipValueError(f"{name} must be finite and >= 0, got {value!r}")
-    return value
-
-
 def validate_shards(shards: object) -> list[list[float]]:
     """A list of lists of real numbers, or a one-line error naming the culprit."""
     if not isinstance(shards, (list, tuple)):
@@ -83,10 +71,10 @@ def validate_shards(shards: object) -> list[list[float]]:
 
 
 def clip_shards(shards: Sequence[Sequence[float]], limit: float) -> list[list[float]]:
-    """Scale every shard by min(1, limit / global L2 norm), rounded to 12 decimals."""
-    from .clip import clip_simulated  # the library's own engine, on simulated ranks
+    """Scale every shard by min(1, limit / global L2 norm), rounded to 12 decimals.
 
-    limit = validate_limit(limit)
+    The library's own engine runs on one simulated rank per shard."""
+    limit = _validate.max_norm(limit, "limit")
     values = validate_shards(shards)
     if not values:
         return []

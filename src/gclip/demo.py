@@ -36,8 +36,9 @@ import numpy as np
 
 from . import _cli
 from ._cli import UsageError
+from ._validate import max_norm as validate_limit
 from .clip import clip_by_global_norm, clip_simulated
-from .contract import rounded, validate_limit
+from .contract import rounded
 from .errors import GclipError
 from .strategies import BUGS, GLOBAL, STRATEGIES
 

@@ -21,6 +21,7 @@ collective, which comes after the header has agreed on the config.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import zlib
@@ -31,17 +32,28 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import partials
-from .errors import AgreedError, GclipError, NonFiniteNormError
-from .strategies import Strategy
+from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
+from .strategies import Accumulate, NormOp, Scope, Share, Strategy
 
-__all__ = ["Gather", "NormInfo", "Reduce", "norm_program", "run_mpi", "run_simulated"]
+__all__ = [
+    "EVERY_ARRAY",
+    "HEADER_SIZE",
+    "Counting",
+    "Gather",
+    "NormInfo",
+    "Reduce",
+    "Spec",
+    "norm_program",
+    "run_mpi",
+    "run_simulated",
+]
 
 
 class Reduce(NamedTuple):
-    """All-reduce ``data`` (float64) with ``op`` ("sum" or "max")."""
+    """All-reduce ``data`` (float64) with ``op``."""
 
     data: np.ndarray
-    op: str = "sum"
+    op: NormOp = NormOp.SUM
 
 
 class Gather(NamedTuple):
@@ -57,10 +69,28 @@ class NormInfo(NamedTuple):
     """What a rank knows after the combine: the norm and how it came about."""
 
     norm: float  # the norm the strategy clips by
-    local_norm: float  # this rank's own norm (its arrays only)
+    local_norm: float  # this rank's own norm (the arrays it counts)
     local_power: float  # this rank's sum |x|**p (max |x| for inf)
-    count: int  # elements over all ranks
-    ranks: int
+
+
+class Counting(NamedTuple):
+    """Which of this rank's arrays it counts, and the check that the ranks agree on it.
+
+    ``owned[i]``: this rank counts array i (a replicated array counts on one
+    rank of its group). ``check`` is this rank's share of two sums that are
+    exactly 0 over all ranks when every group agrees on what it holds (see
+    ``layout``); they ride in the header, so the check costs no collective.
+    ``summary`` is what this rank declared, gathered only to explain a
+    disagreement, and ``explain(summaries)`` says it in one line.
+    """
+
+    owned: Sequence[bool] | None = None  # None: every array is this rank's
+    check: tuple[float, float] = (0.0, 0.0)
+    summary: Any = None
+    explain: Callable[[list[Any]], str] | None = None
+
+
+EVERY_ARRAY = Counting()
 
 
 @dataclass(frozen=True)
@@ -87,10 +117,27 @@ class Spec:
         return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
 
 
-# header slots: all SUM. Squares let every rank see a mismatch: sum(h^2)*R == sum(h)^2
-# only when all h agree. 16-bit fingerprints keep the sums exact up to 2**20 ranks.
-_ERR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE = range(9)
-HEADER_SIZE = 9
+class _Slot(enum.IntEnum):
+    """The header's slots, all SUM-reduced.
+
+    Squares let every rank see a mismatch: sum(h^2)*R == sum(h)^2 only when all
+    h agree. 16-bit fingerprints keep the sums exact up to 2**20 ranks.
+    """
+
+    ERROR = 0  # 1 on a rank that failed
+    H1 = 1  # the argument fingerprint, two halves, and their squares
+    H1SQ = 2
+    H2 = 3
+    H2SQ = 4
+    COUNT = 5  # elements counted
+    SUM = 6  # sum |x|**p (ranks whose partial enters the combine)
+    RESCUE = 7  # 1 where the plain sum over- or underflowed
+    NONFINITE = 8  # 1 where this rank's own norm is inf or NaN
+    LAYOUT1 = 9  # the counting check: 0 over all ranks when the groups agree
+    LAYOUT2 = 10
+
+
+HEADER_SIZE = len(_Slot)
 
 
 def norm_program(
@@ -99,7 +146,7 @@ def norm_program(
     *,
     rank: int,
     size: int,
-    replicated: Sequence[bool] | None = None,
+    counting: Counting = EVERY_ARRAY,
     check: Callable[[], None] | None = None,
     error_if_nonfinite: bool = False,
 ) -> Program:
@@ -115,12 +162,12 @@ def norm_program(
     try:
         if check is not None:
             check()
-        local = _local(arrays, spec, rank, replicated)
+        local = _local(arrays, spec, rank, counting.owned)
     except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
         error = exc
 
     h1, h2 = spec.fingerprint
-    mine = _shares(strategy, rank) and strategy.share == "power"
+    mine = _shares(strategy, rank) and strategy.share is Share.POWER
     header = np.array(  # floats only: numpy builds it fastest
         [
             1.0 if error is not None else 0.0,
@@ -132,25 +179,32 @@ def norm_program(
             local.power if mine else 0.0,
             1.0 if local.rescue and mine else 0.0,
             0.0 if math.isfinite(local.norm) else 1.0,
+            *(counting.check if error is None else (0.0, 0.0)),
         ]
     )
     total = (yield Reduce(header)).tolist()  # Python floats: cheaper to read than numpy scalars
-    mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
-    if total[_ERR] or mismatch:
-        yield from _agree(error, spec, mismatch=mismatch and not total[_ERR])
+    mismatch = (
+        total[_Slot.H1SQ] * size != total[_Slot.H1] ** 2 or total[_Slot.H2SQ] * size != total[_Slot.H2] ** 2
+    )
+    disagree = total[_Slot.LAYOUT1] != 0.0 or total[_Slot.LAYOUT2] != 0.0
+    if total[_Slot.ERROR] or mismatch or disagree:
+        yield from _agree(error, spec, counting, mismatch=mismatch and not total[_Slot.ERROR])
 
     if _header_suffices(spec, local, total):  # the default L2 path: the header was the one collective
-        norm, power = partials.root(total[_SUM], 0, spec.norm_type), (total[_SUM], 0)
+        norm, power = partials.root(total[_Slot.SUM], 0, spec.norm_type), (total[_Slot.SUM], 0)
     else:
         norm, power = yield from _combine(local, spec, rank, total)
-    norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
+    norm = strategy.finish(
+        norm=norm, p=spec.norm_type, count=int(total[_Slot.COUNT]), ranks=size, power=power
+    )
     if error_if_nonfinite:
-        # decided on what every rank knows: the global norm, or (scope self) the header's count
-        bad = total[_NONFINITE] > 0 if strategy.scope == "self" else not math.isfinite(norm)
+        # decided on what every rank knows: the global norm, or (scope self) the header's flag
+        per_rank = strategy.scope is Scope.SELF
+        bad = total[_Slot.NONFINITE] > 0 if per_rank else not math.isfinite(norm)
         if bad:
             holders = yield Gather(not math.isfinite(local.norm))
-            raise _nonfinite_error(spec, norm, holders, strategy.scope == "self")
-    return NormInfo(norm, local.norm, local.power, int(total[_COUNT]), size)
+            raise _nonfinite_error(spec, norm, holders, per_rank)
+    return NormInfo(norm, local.norm, local.power)
 
 
 def _nonfinite_error(spec: Spec, norm: float, holders: list[bool], per_rank: bool) -> NonFiniteNormError:
@@ -184,22 +238,22 @@ def _header_suffices(spec: Spec, local: _Local, total: list[float]) -> bool:
     """The power sums of all ranks are in the header and no rank needs a rescue."""
     strategy = spec.strategy
     return (
-        strategy.scope == "all"
-        and strategy.share == "power"
+        strategy.scope is Scope.ALL
+        and strategy.share is Share.POWER
         and local.part is None
-        and not total[_RESCUE]
+        and not total[_Slot.RESCUE]
         and not math.isinf(spec.norm_type)
     )
 
 
-def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _Local:
+def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, owned: Sequence[bool] | None) -> _Local:
     strategy, p = spec.strategy, spec.norm_type
-    counted = _counted(arrays, replicated, rank, strategy)
+    counted = _counted(arrays, owned, strategy)
     count = sum([a.size for a in counted])
     if math.isinf(p):
         top, nan = partials.max_abs(counted)
         return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top)
-    if strategy.accumulate == "float16":  # the fp16 bug, even when reproducible
+    if strategy.accumulate is Accumulate.FLOAT16:  # the fp16 bug, even when reproducible
         power = partials.half_power_sum(counted, p)
         return _Local(counted, count, power, norm=partials.root(power, 0, p))
     if spec.reproducible:
@@ -214,54 +268,56 @@ def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, replicated) -> _
 
 def _shares(strategy: Strategy, rank: int) -> bool:
     """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
-    return strategy.scope == "all" or (strategy.scope == "root" and rank == 0)
+    return strategy.scope is Scope.ALL or (strategy.scope is Scope.ROOT and rank == 0)
 
 
 def _counted(
-    arrays: Sequence[np.ndarray], replicated: Sequence[bool] | None, rank: int, strategy: Strategy
+    arrays: Sequence[np.ndarray], owned: Sequence[bool] | None, strategy: Strategy
 ) -> Sequence[np.ndarray]:
-    """The arrays this rank counts: replicated ones count on rank 0 only."""
-    if replicated is None:
+    """The arrays this rank counts: a replicated one on one rank of its group only.
+
+    The per-rank bug (scope self) and the double-count bug count every copy.
+    """
+    if owned is None or strategy.count_replicated or strategy.scope is Scope.SELF:
         return arrays
-    if len(replicated) != len(arrays):
-        raise ValueError(f"replicated has {len(replicated)} flags for {len(arrays)} arrays")
-    if rank == 0 or strategy.count_replicated or strategy.scope == "self":
-        return arrays
-    return [a for a, rep in zip(arrays, replicated) if not rep]
+    return [a for a, mine in zip(arrays, owned) if mine]
 
 
-def _agree(error: BaseException | None, spec: Spec, mismatch: bool) -> Generator:
+def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Generator:
     """Some rank failed or disagreed: every rank raises the same error."""
     mine = (type(error).__name__, str(error)) if error is not None else None
-    reports = yield Gather((mine, spec.describe()))  # the error path's own round trip
-    raise AgreedError.from_reports(reports, mismatch=mismatch)
+    reports = yield Gather((mine, spec.describe(), counting.summary))  # the error path's own round trip
+    if any(err is not None for err, _, _ in reports) or mismatch:
+        raise AgreedError.from_reports([(err, args) for err, args, _ in reports], mismatch=mismatch)
+    explain = counting.explain or (lambda _: "ranks disagree on which arrays they hold")
+    raise GclipValueError(explain([summary for _, _, summary in reports]))
 
 
 def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Generator:
     """The strategy's combine: (the norm it clips by, the power sum as (mant, exp) if known)."""
     strategy, p = spec.strategy, spec.norm_type
-    if strategy.scope == "self":  # no other rank is asked
+    if strategy.scope is Scope.SELF:  # no other rank is asked
         return local.norm, (local.power, 0)
     shares = _shares(strategy, rank)
 
     def mine(vec: list[float], fill: float = 0.0) -> np.ndarray:
         return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
 
-    if strategy.share == "norm":  # the norm-sharing bugs: local norms combined
+    if strategy.share is Share.NORM:  # the norm-sharing bugs: local norms combined
         nan = math.isnan(local.norm)  # as a flag: MPI's MAX may drop a NaN
         got = yield Reduce(mine([0.0 if nan else local.norm, float(nan)]), strategy.norm_op)
         return (math.nan if got[1] > 0 else float(got[0])), None
     if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
-        got = yield Reduce(mine([local.power, float(local.nan)], -1.0), "max")
+        got = yield Reduce(mine([local.power, float(local.nan)], -1.0), NormOp.MAX)
         return (math.nan if got[1] > 0 else float(got[0])), None
     if local.part is not None:  # reproducible: integer digit counts, exact in any order
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
         return binned.summary(got)
-    if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
+    if total[_Slot.RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
         norm = yield from _rescued(local.counted if shares else (), p, mine)
         return norm, None
-    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # rank 0's sum (scope root)
+    return partials.root(total[_Slot.SUM], 0, p), (float(total[_Slot.SUM]), 0)  # rank 0's sum (scope root)
 
 
 def _rescued(counted, p: float, mine) -> Generator:
@@ -271,7 +327,7 @@ def _rescued(counted, p: float, mine) -> Generator:
     """
     top, nan = partials.max_abs(counted)
     if mine is not None:
-        got = yield Reduce(mine([top, float(nan)], -1.0), "max")
+        got = yield Reduce(mine([top, float(nan)], -1.0), NormOp.MAX)
         top, nan = float(got[0]), bool(got[1] > 0)
     if nan:
         return math.nan
@@ -312,7 +368,7 @@ def run_mpi(program: Program, comm) -> NormInfo:
         while True:
             if type(request) is Reduce:
                 out = np.empty(request.data.size)
-                comm.Allreduce(request.data, out, op=MPI.MAX if request.op == "max" else MPI.SUM)
+                comm.Allreduce(request.data, out, op=MPI.MAX if request.op is NormOp.MAX else MPI.SUM)
                 request = program.send(out)
             else:
                 request = program.send(comm.allgather(request.item))
@@ -343,7 +399,7 @@ def run_simulated(programs: Sequence[Program]) -> list[NormInfo]:
             raise RuntimeError("simulated ranks diverged")  # pragma: no cover - a gclip bug
         if isinstance(first, Reduce):
             stack = np.stack([r.data for r in requests])
-            reply: Any = stack.max(axis=0) if first.op == "max" else stack.sum(axis=0)
+            reply: Any = stack.max(axis=0) if first.op is NormOp.MAX else stack.sum(axis=0)
         else:
             reply = [r.item for r in requests]
         errors: list[BaseException] = []

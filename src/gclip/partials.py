@@ -24,7 +24,10 @@ import numpy as np
 from . import _kernels
 
 __all__ = [
+    "BLOCK",
+    "CHUNK",
     "BinnedPowerSum",
+    "chunk_size",
     "half_power_sum",
     "iter_chunks",
     "max_abs",
@@ -36,15 +39,17 @@ __all__ = [
 CHUNK = 1 << 16  # the largest working block: 512 KiB of float64, stays in L2
 MIN_CHUNK = 1 << 12  # below this, numpy's per-call cost dominates
 MEMORY_SHARE = 0.025  # working buffers stay below 2.5% of the shard (or MIN_CHUNK)
+BLOCK = 512  # the reproducible mode sums its digits in blocks of this many values (exact)
+POW2_LIMIT = 1000  # 2.0**k is a normal float64 for |k| < POW2_LIMIT (else ldexp does the scaling)
 
 
 def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
     """Elements per working block for these arrays: ``buffers`` float64 blocks
     take at most MEMORY_SHARE of the arrays' own bytes, within [MIN_CHUNK, CHUNK],
-    in whole BLOCKs (the reproducible mode sums blocks of 512)."""
+    in whole BLOCKs."""
     n = int(MEMORY_SHARE * sum(a.nbytes for a in arrays) / (8 * buffers))
     n = max(MIN_CHUNK, min(CHUNK, n))
-    return -(-n // 512) * 512
+    return -(-n // BLOCK) * BLOCK
 
 
 _FLOAT64 = np.dtype(np.float64)
@@ -248,7 +253,7 @@ class BinnedPowerSum:
 
     W = 44  # bits per bin
     K = 3  # folds (bins kept below the top)
-    BLOCK = 512  # block sums of W-bit digits stay below 2**53: exact
+    BLOCK = BLOCK  # block sums of W-bit digits stay below 2**53: exact
     _BIN_LO = -52  # enough for 2**-2150 (subnormal squared)
     _BIN_HI = 48  # enough for 2**2048 (max float squared)
     _DIGITS = 3
@@ -303,7 +308,7 @@ class BinnedPowerSum:
         ceil_log2 = ge + p * em - (1 if gm == 0.5 else 0)
         t = -((-(ceil_log2 - W + 1)) // W)
         k = (W * t) // p  # scale |x| by 2**-k (exact): bin t's unit becomes 1
-        compiled = kernels is not None and c.dtype in (_FLOAT32, _FLOAT64) and -1000 < k < 1000
+        compiled = kernels is not None and c.dtype in (_FLOAT32, _FLOAT64) and -POW2_LIMIT < k < POW2_LIMIT
         if compiled:  # the same digits, in one compiled pass
             got = kernels.digits(c, p == 2, 2.0**-k, W, self.BLOCK)  # type: ignore[attr-defined]
             for i in range(self.K):
@@ -312,7 +317,7 @@ class BinnedPowerSum:
         padded = -(-n // self.BLOCK) * self.BLOCK
         v = buffers[0].get(padded)
         q = buffers[1].get(padded)
-        if -1000 < k < 1000:  # in float64 (a float16 input must not scale in float16)
+        if -POW2_LIMIT < k < POW2_LIMIT:  # in float64 (a float16 input must not scale in float16)
             np.multiply(c, 2.0**-k, out=v[:n], dtype=np.float64)
         else:  # 2**-k itself is out of range: let ldexp do it
             np.copyto(v[:n], c)

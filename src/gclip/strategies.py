@@ -1,18 +1,24 @@
 """One table of strategies: the correct global-norm clip and the gallery of bugs.
 
-Each strategy is local -> combine -> finish, and each bug differs from the
-correct one in exactly one place, named by one field:
+Each strategy is local -> combine -> finish. A bug departs from the correct
+one in the fields that make one idea (typed, so a typo is an error, not a new
+behaviour):
 
-``scope``            whose sums combine: ``all`` ranks, only this rank (``self``:
-                     the seed's per-rank clip), or rank 0's (``root``).
-``share``            what a rank contributes: its sum of |x|**p (``power``) or its
-                     local norm (``norm``: the sum/mean-of-norms bugs).
-``finish``           combined number -> the norm (sqrt, divide by the count...).
+``scope``            whose sums combine: every rank's (``ALL``), this rank's only
+                     (``SELF``: the seed's per-rank clip), or rank 0's (``ROOT``).
+``share``            what a rank contributes: its sum of |x|**p (``POWER``) or its
+                     local norm (``NORM``), which ``norm_op`` combines (SUM or MAX).
+``finish_norm``      combined number -> the norm (sqrt, divide by the count...).
 ``epsilon``          the scale is ``max_norm / (norm + epsilon)``.
 ``count_replicated`` replicated tensors are counted on every rank.
 ``accumulate``       the dtype the local sum of squares is accumulated in.
 ``untouched_if_nonfinite`` gclip leaves gradients alone when the norm is inf/NaN;
                      frameworks compute max_norm / inf = 0 and wipe them.
+
+So sum-of-norms is (share NORM, norm_op SUM), max-of-norms (share NORM,
+norm_op MAX), mean-of-norms adds a finish that divides by the ranks, and
+fp16-sumsq accumulates in float16 and, as frameworks do, wipes a gradient
+whose norm overflowed.
 
 The same table drives the library (``mode=``), the demo (``--buggy NAME``),
 the conformance judge (which names the bug an implementation has), the
@@ -21,13 +27,48 @@ trainer and the bench.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import GclipValueError
 
-__all__ = ["BUGS", "STRATEGIES", "Strategy", "get"]
+__all__ = [
+    "BUGS",
+    "GLOBAL",
+    "STRATEGIES",
+    "TORCH_EPS",
+    "Accumulate",
+    "NormOp",
+    "Scope",
+    "Share",
+    "Strategy",
+    "get",
+]
+
+TORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ and Megatron-LM: max_norm / (norm + 1e-6)
+
+
+class Scope(enum.Enum):
+    ALL = "all"
+    SELF = "self"
+    ROOT = "root"
+
+
+class Share(enum.Enum):
+    POWER = "power"
+    NORM = "norm"
+
+
+class NormOp(enum.Enum):
+    SUM = "sum"
+    MAX = "max"
+
+
+class Accumulate(enum.Enum):
+    FLOAT64 = "float64"
+    FLOAT16 = "float16"
 
 
 def _exact(norm: float, **_: object) -> float:
@@ -40,15 +81,25 @@ class Strategy:
     summary: str
     incident: str = ""
     explanation: str = ""
-    scope: str = "all"
-    share: str = "power"
+    scope: Scope = Scope.ALL
+    share: Share = Share.POWER
     finish_norm: Callable[..., float] = field(default=_exact, repr=False)
     epsilon: float = 0.0
     count_replicated: bool = False
-    accumulate: str = "float64"
-    norm_op: str = "sum"  # with share="norm": how local norms combine
+    accumulate: Accumulate = Accumulate.FLOAT64
+    norm_op: NormOp = NormOp.SUM  # with share NORM: how local norms combine
     untouched_if_nonfinite: bool = True  # False: scale = max_norm / inf = 0, as frameworks do
     norm_type: float | None = None  # the norm type that makes the bug show (inf-pow: inf)
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("scope", Scope),
+            ("share", Share),
+            ("norm_op", NormOp),
+            ("accumulate", Accumulate),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"Strategy {self.name!r}: {name} must be a {kind.__name__}")
 
     @property
     def correct(self) -> bool:
@@ -112,7 +163,7 @@ BUGS: tuple[Strategy, ...] = (
         incident="Failure Map FA-99266 (the seed record): shards clipped independently",
         explanation="No all-reduce: each shard ends at most at the limit, so the whole gradient "
         "reaches sqrt(R) x limit, and shards get different scales, so its direction changes.",
-        scope="self",
+        scope=Scope.SELF,
     ),
     Strategy(
         "rms",
@@ -128,7 +179,7 @@ BUGS: tuple[Strategy, ...] = (
         incident="fastmoe PR #65 (review: all_reduce(grad_norm) must reduce the squared norms)",
         explanation="sqrt(a^2 + b^2) <= a + b: adding norms overestimates the global norm (up to "
         "sqrt(R) times), so the gradient is clipped too hard.",
-        share="norm",
+        share=Share.NORM,
     ),
     Strategy(
         "mean-of-norms",
@@ -136,7 +187,7 @@ BUGS: tuple[Strategy, ...] = (
         incident="DeepSpeed #8475",
         explanation="The mean of the local norms is below the global norm (up to sqrt(R) times), "
         "so clipping starts too late and clips too little.",
-        share="norm",
+        share=Share.NORM,
         finish_norm=_mean,
     ),
     Strategy(
@@ -146,7 +197,7 @@ BUGS: tuple[Strategy, ...] = (
         "rank's local value",
         explanation="The scale is the same everywhere, but computed from one shard: the other "
         "shards' contribution is missing, so the gradient is clipped too little.",
-        scope="root",
+        scope=Scope.ROOT,
     ),
     Strategy(
         "max-of-norms",
@@ -154,8 +205,8 @@ BUGS: tuple[Strategy, ...] = (
         incident="fairscale PR #167 (review: all_gather of local norms, then torch.max)",
         explanation="The largest shard norm is below the global norm whenever another shard is "
         "non-zero: the gradient is clipped too little.",
-        share="norm",
-        norm_op="max",
+        share=Share.NORM,
+        norm_op=NormOp.MAX,
     ),
     Strategy(
         "epsilon",
@@ -164,7 +215,7 @@ BUGS: tuple[Strategy, ...] = (
         "max_norm / (total_norm + 1e-6)",
         explanation="The epsilon avoids a division by zero but moves every scale by ~1e-6/norm: "
         "the clipped norm is slightly below the limit, and not the exact contract.",
-        epsilon=1e-6,
+        epsilon=TORCH_EPS,
     ),
     Strategy(
         "double-count",
@@ -189,7 +240,7 @@ BUGS: tuple[Strategy, ...] = (
         incident="fairscale #263, pytorch #46849 (norms that overflow in half precision)",
         explanation="float16 overflows at 65504: a sum of squares above it becomes inf, the scale "
         "max_norm / inf becomes 0 and the step's gradient is wiped out (or skipped).",
-        accumulate="float16",
+        accumulate=Accumulate.FLOAT16,
         untouched_if_nonfinite=False,
     ),
 )

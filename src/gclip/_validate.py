@@ -1,0 +1,278 @@
+"""Argument checks shared by the public API: each one a one-line error or a clean value.
+
+Nothing here talks to MPI. The API calls these on every rank, keeps what they
+raise, and lets the engine agree on it (see ``errors``), so a bad argument on
+one rank is the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import GclipTypeError, GclipValueError
+
+__all__ = ["FLOAT_DTYPES", "Grads", "grads", "max_norm", "norm_type", "scale"]
+
+FLOAT_DTYPES = frozenset(np.dtype(t) for t in ("<f2", ">f2", "<f4", ">f4", "<f8", ">f8"))
+_NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _scalar(value: Any, name: str) -> float:
+    """A real number, or a 0-d array or tensor holding one (numpy, torch), as a float."""
+    if not _real(value) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # a 0-d array or tensor: its one number
+    if not _real(value):
+        raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        raise GclipValueError(f"{name} must be finite, got an integer beyond float") from None
+
+
+def max_norm(value: Any, name: str = "max_norm") -> float:
+    """A finite, non-negative real number, or a one-line error."""
+    limit = _scalar(value, name)
+    if not math.isfinite(limit) or limit < 0:
+        raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
+    return limit
+
+
+def scale(value: Any) -> float:
+    """A scale to multiply by: finite and >= 0 (a negative scale flips the gradient)."""
+    s = _scalar(value, "scale")
+    if not math.isfinite(s) or s < 0:
+        raise GclipValueError(f"scale must be finite and >= 0, got {s!r}")
+    return s
+
+
+def norm_type(value: Any) -> float:
+    """p > 0, or inf (also written 'inf')."""
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if not _real(value):
+        raise GclipTypeError(f"norm_type must be a number or 'inf', got {type(value).__name__}")
+    p = float(value)
+    if math.isnan(p) or p <= 0:
+        raise GclipValueError(f"norm_type must be > 0 or inf, got {p!r}")
+    return p
+
+
+# ---------------------------------------------------------------------------
+# the gradient arrays
+
+
+class Grads(NamedTuple):
+    """This rank's arrays, checked: each distinct array once, and how to give back the layout.
+
+    ``slots[i]`` is the index in ``arrays`` of the i-th array given: the same
+    array given twice (tied weights) is counted once and scaled once.
+    """
+
+    arrays: list[np.ndarray]
+    slots: tuple[int, ...] | None  # None: the arrays as given, no alias
+    container: type | None  # None: one array was given; else list or tuple
+    source: Any = None  # what was given: the array, the list or tuple (a generator: its items)
+
+    @property
+    def given(self) -> int:
+        return len(self.slots) if self.slots is not None else len(self.arrays)
+
+    def per_array(self, values: Sequence[Any], name: str) -> list[Any]:
+        """One entry per given array -> one per distinct array; aliases must agree."""
+        if len(values) != self.given:
+            raise GclipValueError(f"{name} has {len(values)} entries for {self.given} arrays")
+        if self.slots is None:
+            return list(values)
+        out: list[Any] = [None] * len(self.arrays)
+        seen = [False] * len(self.arrays)
+        for i, (slot, value) in enumerate(zip(self.slots, values)):
+            if not seen[slot]:
+                out[slot], seen[slot] = value, True
+            elif not _same_entry(out[slot], value):
+                first = self.slots.index(slot)
+                raise GclipValueError(
+                    f"grads[{first}] and grads[{i}] are the same array but {name} gives them "
+                    f"different entries ({out[slot]!r}, {value!r})"
+                )
+        return out
+
+    def rebuild(self, outputs: list[Any]) -> Any:
+        """The outputs (one per distinct array) in the layout given."""
+        if self.container is None:
+            return outputs[0]
+        items = outputs if self.slots is None else [outputs[s] for s in self.slots]
+        return tuple(items) if self.container is tuple else items
+
+    def as_given(self) -> Any:
+        """What was given, the very objects (a generator's items as a list)."""
+        return self.source
+
+
+def _same_entry(a: Any, b: Any) -> bool:
+    return a is b or (isinstance(a, (bool, np.bool_)) and isinstance(b, (bool, np.bool_)) and a == b)
+
+
+def grads(value: Any, inplace: bool) -> Grads:
+    """Views of what was given, never copies, checked; aliases found.
+
+    One array (numpy, or anything numpy can view: buffer protocol,
+    ``__array__``), or a list, tuple or any other iterable of them (a
+    generator is read once). float16, float32 and float64 in either byte order.
+    """
+    if isinstance(value, np.ndarray) or _array_like(value):
+        return Grads([_array(value, "grads", inplace)], None, None, value)
+    if isinstance(value, (list, tuple)):
+        items, container = value, tuple if isinstance(value, tuple) else list
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict)):
+        items, container = list(value), list  # a generator: read once
+    else:
+        return Grads([_array(value, "grads", inplace)], None, None, value)
+    arrays = [
+        g
+        if type(g) is np.ndarray and g.dtype in _NATIVE and (g.flags.writeable or not inplace)
+        else _array(g, f"grads[{i}]", inplace)  # the common case above, checked in one line
+        for i, g in enumerate(items)
+    ]
+    return _unaliased(items, arrays, container)._replace(source=items)
+
+
+def _array_like(value: Any) -> bool:
+    return hasattr(value, "__array__") or hasattr(value, "__array_interface__") or _is_tensor(value)
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def _array(g: Any, where: str, inplace: bool) -> np.ndarray:
+    if g is None:
+        raise GclipTypeError(f"{where} is None: pass only the gradients that exist")
+    if _is_tensor(g) and getattr(g, "requires_grad", False):
+        raise GclipTypeError(
+            f"{where} is a torch tensor that requires grad (a parameter?): pass its .grad, "
+            "or use gclip.torch.clip_grad_norm_(parameters, ...)"
+        )
+    if inplace and isinstance(g, (list, tuple, numbers.Number)):
+        raise GclipTypeError(f"{where}: inplace=True needs arrays, got {type(g).__name__}")
+    try:
+        a = np.asarray(g)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a type error of the input
+        hint = "; for torch tensors use gclip.torch" if _is_tensor(g) else ""
+        raise GclipTypeError(f"{where}: cannot be read as an array ({exc}){hint}") from None
+    if a.dtype not in FLOAT_DTYPES:
+        raise GclipTypeError(f"{where} has dtype {a.dtype}; gclip clips float16, float32 or float64 arrays")
+    if inplace and not a.flags.writeable:
+        raise GclipValueError(f"{where} is read-only; inplace=True needs writable arrays")
+    return a
+
+
+# ---------------------------------------------------------------------------
+# aliases: the same memory given twice counts once; a partial overlap is an error
+
+
+def _unaliased(items: Sequence[Any], arrays: list[np.ndarray], container: type) -> Grads:
+    """Drop repeats of one array; refuse arrays that overlap only in part.
+
+    Two arrays can share memory only if they view one buffer, so only arrays
+    with a common base (or the very same object given twice) are compared:
+    the usual list of separately allocated gradients costs one pass.
+    """
+    n = len(arrays)
+    by_id: dict[int, int] = {}
+    by_base: dict[int, list[int]] = {}
+    repeats = False
+    for i, (item, a) in enumerate(zip(items, arrays)):
+        if by_id.setdefault(id(item), i) != i:
+            repeats = True
+            continue
+        by_base.setdefault(_owner(a), []).append(i)
+    same: dict[int, int] = {}  # a later duplicate -> the first of its kind
+    if repeats:
+        for i, item in enumerate(items):
+            first = by_id[id(item)]
+            if first != i:
+                same[i] = first
+    for members in by_base.values():
+        if len(members) > 1:
+            same.update(_overlaps(arrays, members))
+    if not same:
+        return Grads(arrays, None, container)
+    unique: list[np.ndarray] = []
+    slots: list[int] = []
+    position: dict[int, int] = {}
+    for i in range(n):
+        first = same.get(i, i)
+        while first in same:  # chains: c is b, b is a
+            first = same[first]
+        if first not in position:
+            position[first] = len(unique)
+            unique.append(arrays[first])
+        slots.append(position[first])
+    return Grads(unique, tuple(slots), container)
+
+
+def _owner(a: np.ndarray) -> int:
+    """A key shared by arrays that may view the same memory.
+
+    numpy views lead back to the array that owns the memory. Memory owned by
+    something else (a memoryview, a torch tensor) may be reached through
+    different wrapper objects, so all such arrays share one key and are
+    compared by address.
+    """
+    base: Any = a
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return id(base) if isinstance(base, np.ndarray) else 0
+
+
+def _overlaps(arrays: Sequence[np.ndarray], members: Sequence[int]) -> dict[int, int]:
+    """Among arrays of one buffer: exact repeats -> their first; a partial overlap raises."""
+    spans = sorted((_span(arrays[i]), i) for i in members)
+    same: dict[int, int] = {}
+    open_: list[tuple[tuple[int, int], int]] = []  # spans that may still overlap the next
+    for span, i in spans:
+        open_ = [(s, j) for s, j in open_ if s[1] > span[0]]
+        for s, j in open_:
+            a, b = arrays[j], arrays[i]
+            if _same_view(a, b):
+                same[max(i, j)] = min(i, j)
+            elif s[0] < s[1] and span[0] < span[1] and np.shares_memory(a, b, max_work=10**6):
+                lo, hi = sorted((i, j))
+                raise GclipValueError(
+                    f"grads[{lo}] and grads[{hi}] overlap in memory without being the same array: "
+                    "each value must be given once"
+                )
+        open_.append((span, i))
+    return same
+
+
+def _span(a: np.ndarray) -> tuple[int, int]:
+    start = a.__array_interface__["data"][0]
+    if a.size == 0:
+        return start, start
+    lo = hi = start
+    for n, stride in zip(a.shape, a.strides):
+        step = (n - 1) * stride
+        if step < 0:
+            lo += step
+        else:
+            hi += step
+    return lo, hi + a.itemsize
+
+
+def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.dtype == b.dtype
+    )
