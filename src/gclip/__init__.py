@@ -20,7 +20,7 @@ from .clip import (
 )
 from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
-from .layout import Group, Mesh
+from .layout import Group, Mesh, check_replicas, explain
 from .strategies import BUGS, STRATEGIES
 
 __all__ = [
@@ -34,11 +34,13 @@ __all__ = [
     "Mesh",
     "NonFiniteNormError",
     "apply_scale",
+    "check_replicas",
     "clip_by_global_norm",
     "clip_scale",
     "clip_shards",
     "clip_simulated",
     "clip_with_norm",
+    "explain",
     "global_norm",
 ]
 

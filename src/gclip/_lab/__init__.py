@@ -1,0 +1,1 @@
+"""Helpers shared by the lab (demo, trainer, judge, bench): not part of the public API."""

@@ -1,0 +1,151 @@
+"""A small transformer-like model laid out over pp x dp x tp x ep ranks.
+
+The lab's model for parallel layouts (the demo's ``--layout``, the trainer,
+the tests). Its parameters are what real layouts shard and copy:
+
+- ``embed`` (V x H): the input embedding, tied to the output head. Vocab-
+  parallel (rows sharded over tp). With one pipeline stage it is ONE array
+  used twice (the demo passes it twice, as tied weights are); with several it
+  lives on the first and the last stage: a group tied across stages.
+- per layer: ``ln1``/``ln2`` (H) duplicated on every tp rank; attention
+  ``qkv`` (3H x H, rows over tp) and ``proj`` (H x 3H, columns over tp);
+  a dense MLP ``fc1``/``fc2``, or, with an ``ep`` axis, a ``router`` (E x H,
+  duplicated) and E experts spread over the ep ranks (each sharded over tp).
+- ``final_ln`` (H) on the last stage, duplicated over tp.
+
+Layers are split evenly over the pp stages. Every rank of a dp (and, for the
+dense part, ep) group holds the same copies. Each tensor's values depend only
+on its name and element index, so the model's gradient is the same for every
+layout of the world: its norm is a property of the model, not of the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import GclipValueError
+from ..layout import Mesh
+
+__all__ = ["LAYERS", "Piece", "clip_arguments", "full_tensor", "model_shapes", "pieces"]
+
+# sizes divisible by 1, 2, 3, 4 (and tp = 6, 8): any small world has layouts on every axis
+HIDDEN = 24
+FFN = 48
+VOCAB = 48
+LAYERS = 12  # split evenly over pp = 1, 2, 3, 4, 6 stages
+EXPERTS = 12  # spread evenly over ep = 1, 2, 3, 4, 6 ranks
+SCALE = 0.05  # values are N(0, SCALE) draws: a gradient-like magnitude
+
+
+class Piece(NamedTuple):
+    """One array on one rank: which tensor, which part of it, and who holds copies."""
+
+    name: str  # the tensor's name in the model
+    part: tuple[int, int, int]  # (axis, index, count): the shard of the tensor along axis (count 1: whole)
+    array: np.ndarray
+    replicated: Any  # the entry for replicated=: False, or the group holding identical copies
+    kind: str  # "shard", "tp-duplicate", "tied", "expert", ... (for the report and the gallery)
+
+
+def model_shapes(ep: bool) -> dict[str, tuple[int, ...]]:
+    """The whole model, name -> shape (the same for every layout but for ep's experts)."""
+    shapes: dict[str, tuple[int, ...]] = {"embed": (VOCAB, HIDDEN)}
+    for layer in range(LAYERS):
+        p = f"layers.{layer}."
+        shapes[p + "ln1"] = (HIDDEN,)
+        shapes[p + "attn.qkv"] = (3 * HIDDEN, HIDDEN)
+        shapes[p + "attn.proj"] = (HIDDEN, 3 * HIDDEN)
+        shapes[p + "ln2"] = (HIDDEN,)
+        if ep:
+            shapes[p + "mlp.router"] = (EXPERTS, HIDDEN)
+            for e in range(EXPERTS):
+                shapes[p + f"mlp.experts.{e}.fc1"] = (FFN, HIDDEN)
+                shapes[p + f"mlp.experts.{e}.fc2"] = (HIDDEN, FFN)
+        else:
+            shapes[p + "mlp.fc1"] = (FFN, HIDDEN)
+            shapes[p + "mlp.fc2"] = (HIDDEN, FFN)
+    shapes["final_ln"] = (HIDDEN,)
+    return shapes
+
+
+def full_tensor(name: str, shape: Sequence[int], dtype: Any = np.float64) -> np.ndarray:
+    """The tensor's values: a function of its name and element index only."""
+    rng = np.random.default_rng([zlib.crc32(name.encode()), 7])
+    return (rng.standard_normal(math.prod(shape)) * SCALE).reshape(shape).astype(dtype)
+
+
+def _shard(full: np.ndarray, axis: int, index: int, count: int) -> np.ndarray:
+    return np.ascontiguousarray(np.split(full, count, axis=axis)[index])
+
+
+def pieces(mesh: Mesh, dtype: Any = np.float64) -> list[Piece]:
+    """This rank's arrays of the model under ``mesh`` (axes among pp, dp, tp, ep).
+
+    Every rank must call it (it may create the mesh's groups, a collective).
+    """
+    pp, tp, ep = (mesh.shape.get(a, 1) for a in ("pp", "tp", "ep"))
+    stage, t, e_rank = (mesh.coords.get(a, 0) for a in ("pp", "tp", "ep"))
+    if LAYERS % pp or EXPERTS % ep or HIDDEN % tp or VOCAB % tp or FFN % tp:
+        raise GclipValueError(
+            f"the lab's model has {LAYERS} layers, {EXPERTS} experts and widths {HIDDEN}, {FFN}, "
+            f"{VOCAB}: {mesh!r} does not split them evenly (pp must divide {LAYERS}, ep {EXPERTS}, "
+            f"tp {math.gcd(HIDDEN, FFN, VOCAB)})"
+        )
+    dense = tuple(a for a in ("dp", "ep") if a in mesh.shape)  # dense weights: the same on dp and ep ranks
+    shard_group = mesh.replicated(*dense)
+    duplicate_group = mesh.replicated(*dense, *(("tp",) if "tp" in mesh.shape else ()))
+    expert_group = mesh.replicated(*(("dp",) if "dp" in mesh.shape else ()))
+    tied = mesh.tied("pp", replicated=dense) if "pp" in mesh.shape else shard_group
+    shapes = model_shapes("ep" in mesh.shape)
+    per_stage = LAYERS // pp
+    mine: list[Piece] = []
+
+    def add(name: str, axis: int, group: Any, kind: str, count: int = tp, index: int = t) -> None:
+        full = full_tensor(name, shapes[name], dtype)
+        array = _shard(full, axis, index, count) if count > 1 else full
+        mine.append(Piece(name, (axis, index, count), array, group, kind))
+
+    if stage == 0 or stage == pp - 1:
+        add("embed", 0, tied, "tied embedding" if pp > 1 else "embedding (tied to the head)")
+    for layer in range(stage * per_stage, (stage + 1) * per_stage):
+        p = f"layers.{layer}."
+        add(p + "ln1", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+        add(p + "attn.qkv", 0, shard_group, "tp-shard")
+        add(p + "attn.proj", 1, shard_group, "tp-shard")
+        add(p + "ln2", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+        if "ep" in mesh.shape:
+            add(p + "mlp.router", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+            for e in range(e_rank * (EXPERTS // ep), (e_rank + 1) * (EXPERTS // ep)):
+                add(p + f"mlp.experts.{e}.fc1", 0, expert_group, "expert")
+                add(p + f"mlp.experts.{e}.fc2", 1, expert_group, "expert")
+        else:
+            add(p + "mlp.fc1", 0, shard_group, "tp-shard")
+            add(p + "mlp.fc2", 1, shard_group, "tp-shard")
+    if stage == pp - 1:
+        add("final_ln", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+    return mine
+
+
+def clip_arguments(
+    mesh: Mesh, dtype: Any = np.float64
+) -> tuple[list[np.ndarray], list[Any], list[str], list[Piece]]:
+    """(arrays, replicated, names, pieces) as a training step passes them to the clip.
+
+    With one pipeline stage the tied embedding is used twice (input and
+    output), and passed twice: the very same array, counted and scaled once.
+    """
+    mine = pieces(mesh, dtype)
+    arrays = [p.array for p in mine]
+    entries = [p.replicated for p in mine]
+    names = [p.name for p in mine]
+    if mesh.shape.get("pp", 1) == 1:
+        head = next(p for p in mine if p.name == "embed")
+        arrays.append(head.array)
+        entries.append(head.replicated)
+        names.append("head (= embed)")
+    return arrays, entries, names, mine
