@@ -149,12 +149,17 @@ def norm_program(
     counting: Counting = EVERY_ARRAY,
     check: Callable[[], None] | None = None,
     error_if_nonfinite: bool = False,
+    backend: Any = partials,
 ) -> Program:
     """One rank's part of the norm: yields collectives, returns a NormInfo.
 
     All local work happens before the header, so whatever ``check`` or the
     local reduction raises becomes this rank's error flag, and every rank
     raises it together. After the header nothing rank-specific can fail.
+
+    ``backend`` computes the local partials where the arrays live: the
+    ``partials`` module for numpy arrays (the default), or a module with the
+    same functions for other arrays (``gclip.torch``'s, on the tensor's device).
     """
     strategy = spec.strategy
     error: BaseException | None = None
@@ -162,7 +167,7 @@ def norm_program(
     try:
         if check is not None:
             check()
-        local = _local(arrays, spec, rank, counting.owned)
+        local = _local(arrays, spec, counting.owned, backend)
     except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
         error = exc
 
@@ -229,6 +234,7 @@ class _Local(NamedTuple):
     nan: bool = False  # inf-norm: a NaN was seen
     part: np.ndarray | None = None  # reproducible mode: the binned digits
     norm: float = 0.0  # this rank's own norm
+    backend: Any = partials  # computes partials of ``counted`` (the rescue needs it again)
 
 
 _NOTHING = _Local()
@@ -246,24 +252,24 @@ def _header_suffices(spec: Spec, local: _Local, total: list[float]) -> bool:
     )
 
 
-def _local(arrays: Sequence[np.ndarray], spec: Spec, rank: int, owned: Sequence[bool] | None) -> _Local:
+def _local(arrays: Sequence[Any], spec: Spec, owned: Sequence[bool] | None, backend: Any) -> _Local:
     strategy, p = spec.strategy, spec.norm_type
     counted = _counted(arrays, owned, strategy)
-    count = sum([a.size for a in counted])
+    count = backend.count(counted)
     if math.isinf(p):
-        top, nan = partials.max_abs(counted)
-        return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top)
+        top, nan = backend.max_abs(counted)
+        return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top, backend=backend)
     if strategy.accumulate is Accumulate.FLOAT16:  # the fp16 bug, even when reproducible
-        power = partials.half_power_sum(counted, p)
-        return _Local(counted, count, power, norm=partials.root(power, 0, p))
+        power = backend.half_power_sum(counted, p)
+        return _Local(counted, count, power, norm=partials.root(power, 0, p), backend=backend)
     if spec.reproducible:
         binned = partials.BinnedPowerSum(p)
-        part = binned.local(counted)
+        part = backend.binned_digits(binned, counted)
         norm, (mant, exp) = binned.summary(part)
-        return _Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm)
-    power, rescue = partials.power_sum(counted, p)
-    norm = _run_local(_rescued(counted, p, None)) if rescue else partials.root(power, 0, p)
-    return _Local(counted, count, power, rescue, False, None, norm)
+        return _Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
+    power, rescue = backend.power_sum(counted, p)
+    norm = _run_local(_rescued(counted, p, None, backend)) if rescue else partials.root(power, 0, p)
+    return _Local(counted, count, power, rescue, False, None, norm, backend)
 
 
 def _shares(strategy: Strategy, rank: int) -> bool:
@@ -315,17 +321,17 @@ def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Genera
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
         return binned.summary(got)
     if total[_Slot.RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
-        norm = yield from _rescued(local.counted if shares else (), p, mine)
+        norm = yield from _rescued(local.counted if shares else (), p, mine, local.backend)
         return norm, None
     return partials.root(total[_Slot.SUM], 0, p), (float(total[_Slot.SUM]), 0)  # rank 0's sum (scope root)
 
 
-def _rescued(counted, p: float, mine) -> Generator:
+def _rescued(counted, p: float, mine, backend: Any) -> Generator:
     """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
 
     ``mine`` builds this rank's contribution to a collective; None: this rank alone.
     """
-    top, nan = partials.max_abs(counted)
+    top, nan = backend.max_abs(counted)
     if mine is not None:
         got = yield Reduce(mine([top, float(nan)], -1.0), NormOp.MAX)
         top, nan = float(got[0]), bool(got[1] > 0)
@@ -333,7 +339,7 @@ def _rescued(counted, p: float, mine) -> Generator:
         return math.nan
     if top == 0.0 or math.isinf(top):
         return top
-    s = partials.scaled_power_sum(counted, p, top) if counted else 0.0
+    s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
     if mine is not None:
         got = yield Reduce(mine([s]))
         s = float(got[0])

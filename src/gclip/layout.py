@@ -40,6 +40,7 @@ __all__ = [
     "AXES",
     "Group",
     "Mesh",
+    "Placement",
     "Row",
     "check_replicas",
     "counting",
@@ -230,6 +231,22 @@ def _held(items: Any) -> str:
 # named meshes
 
 
+class Placement(NamedTuple):
+    """How a tensor lies on a mesh, by axis names (as DTensor gives each axis a placement).
+
+    ``replicated``: the axes along which its copies are identical; ``sharded``:
+    the axes along which it is cut into different pieces; any other axis holds
+    other tensors (pipeline stages). ``tied``: an axis across whose first and
+    last index the same tensor lives (the embedding shared by the first and the
+    last pipeline stage). Axes a mesh does not have are ignored, so one model's
+    placements serve every mesh.
+    """
+
+    replicated: tuple[str, ...] = ()
+    sharded: tuple[str, ...] = ()
+    tied: str | None = None
+
+
 class Mesh:
     """Named axes over the ranks of ``comm``, and the groups of a layout.
 
@@ -317,6 +334,14 @@ class Mesh:
         if math.prod(self.shape[a] for a in axes) == 1:
             return False
         return self._group(("over", axes), self._color_over(axes))
+
+    def entry(self, placement: Placement) -> Any:
+        """The ``replicated=`` entry of a tensor placed so: False, a group, or None
+        (a tied tensor on a rank that holds no copy)."""
+        reps = tuple(a for a in placement.replicated if a in self.shape)
+        if placement.tied and placement.tied in self.shape and self.shape[placement.tied] > 1:
+            return self.tied(placement.tied, replicated=reps)
+        return self.replicated(*reps)
 
     def tied(self, axis: str, stages: Sequence[int] = (0, -1), replicated: Sequence[str] = ()) -> Any:
         """The group holding a tensor tied across ``stages`` of ``axis`` (e.g. the

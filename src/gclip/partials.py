@@ -27,7 +27,9 @@ __all__ = [
     "BLOCK",
     "CHUNK",
     "BinnedPowerSum",
+    "binned_digits",
     "chunk_size",
+    "count",
     "half_power_sum",
     "iter_chunks",
     "max_abs",
@@ -107,7 +109,18 @@ class _Scratch:
 
 
 # ---------------------------------------------------------------------------
-# the three kinds of partial
+# the three kinds of partial (the engine's backend for numpy arrays: count,
+# power_sum, max_abs, scaled_power_sum, half_power_sum, binned_digits)
+
+
+def count(arrays: Sequence[np.ndarray]) -> int:
+    """Elements in the arrays."""
+    return sum([a.size for a in arrays])
+
+
+def binned_digits(binned: BinnedPowerSum, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The reproducible mode's local part: ``binned.local(arrays)``."""
+    return binned.local(arrays)
 
 
 def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:

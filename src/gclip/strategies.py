@@ -31,15 +31,19 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import GclipValueError
 
 __all__ = [
     "BUGS",
     "GLOBAL",
+    "LAYOUT_BUGS",
+    "LAYOUT_BUG_NAMES",
     "STRATEGIES",
     "TORCH_EPS",
     "Accumulate",
+    "LayoutBug",
     "NormOp",
     "Scope",
     "Share",
@@ -160,7 +164,7 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "per-rank",
         "each rank clips its shard by its own local norm",
-        incident="Failure Map FA-99266 (the seed record): shards clipped independently",
+        incident="the incident report this project grew from: each shard clipped by its own norm",
         explanation="No all-reduce: each shard ends at most at the limit, so the whole gradient "
         "reaches sqrt(R) x limit, and shards get different scales, so its direction changes.",
         scope=Scope.SELF,
@@ -168,7 +172,7 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "rms",
         "the global root-mean-square instead of the L2 norm",
-        incident="Failure Map FA-99266: the failed fix",
+        incident="the incident report this project grew from: its failed fix (an RMS, not a norm)",
         explanation="Dividing the global sum of squares by the element count gives the RMS, "
         "sqrt(N) times smaller than the norm: the gradient is clipped far too little.",
         finish_norm=_rms,
@@ -176,7 +180,7 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "sum-of-norms",
         "local norms all-reduced with SUM instead of the squares",
-        incident="fastmoe PR #65 (review: all_reduce(grad_norm) must reduce the squared norms)",
+        incident="fastmoe PR #65 (review: the all_reduce must add the squared norms, not the norms)",
         explanation="sqrt(a^2 + b^2) <= a + b: adding norms overestimates the global norm (up to "
         "sqrt(R) times), so the gradient is clipped too hard.",
         share=Share.NORM,
@@ -184,17 +188,16 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "mean-of-norms",
         "local norms averaged over ranks",
-        incident="DeepSpeed #8475",
-        explanation="The mean of the local norms is below the global norm (up to sqrt(R) times), "
-        "so clipping starts too late and clips too little.",
+        incident="DeepSpeed #8475 (AutoEP: rank-local norms averaged, 7.236 instead of 10.954)",
+        explanation="The mean of the R local norms is between sqrt(R) and R times below the global "
+        "norm, so clipping starts too late and clips too little.",
         share=Share.NORM,
         finish_norm=_mean,
     ),
     Strategy(
         "rank0-norm",
         "rank 0's local norm used by every rank",
-        incident="ms-swift #6815, fixed by PR #8341: under ZeRO-0 the reported grad_norm was one "
-        "rank's local value",
+        incident="",  # no public incident confirmed: a teaching example
         explanation="The scale is the same everywhere, but computed from one shard: the other "
         "shards' contribution is missing, so the gradient is clipped too little.",
         scope=Scope.ROOT,
@@ -202,7 +205,7 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "max-of-norms",
         "local norms all-gathered and the largest one taken",
-        incident="fairscale PR #167 (review: all_gather of local norms, then torch.max)",
+        incident="",  # no public incident confirmed: a teaching example
         explanation="The largest shard norm is below the global norm whenever another shard is "
         "non-zero: the gradient is clipped too little.",
         share=Share.NORM,
@@ -220,7 +223,7 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "double-count",
         "replicated tensors summed over every rank",
-        incident="pytorch PR #88955, NeMo RL #3788",
+        incident="pytorch PR #88955 (FSDP NO_SHARD: each gradient counted world_size times)",
         explanation="Tensors replicated on R ranks (biases, norms under tensor parallelism) enter "
         "the all-reduce R times: their share of the norm is counted R times over.",
         count_replicated=True,
@@ -228,7 +231,7 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "inf-pow",
         "the inf-norm computed as total ** (1 / inf)",
-        incident="torchrec #3199",
+        incident="torchrec PR #3199 (FSDP2 inf-norm: total ** (1 / inf) is always 1.0)",
         explanation="x ** (1/inf) = x ** 0 = 1.0 whatever the gradient: the inf-norm always reads 1, "
         "so the gradient is clipped as if its largest entry were 1.",
         finish_norm=_pow_inf,
@@ -237,7 +240,8 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "fp16-sumsq",
         "the sum of squares accumulated in float16",
-        incident="fairscale #263, pytorch #46849 (norms that overflow in half precision)",
+        incident="fairscale PR #263 (fp16: 5000**2 overflows, the norm is inf); pytorch #46849 (an inf "
+        "norm silently zeroes the gradients)",
         explanation="float16 overflows at 65504: a sum of squares above it becomes inf, the scale "
         "max_norm / inf becomes 0 and the step's gradient is wiped out (or skipped).",
         accumulate=Accumulate.FLOAT16,
@@ -246,6 +250,142 @@ BUGS: tuple[Strategy, ...] = (
 )
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (GLOBAL, *BUGS)}
+
+
+# ---------------------------------------------------------------------------
+# layout bugs: a correct global clip, told the wrong layout
+
+
+@dataclass(frozen=True)
+class LayoutBug:
+    """A bug of parallel layouts: the clip itself is right, what it is told is wrong.
+
+    Real frameworks get layouts wrong in what they declare (a copy declared as
+    a shard, a shard as a copy, a tie forgotten), over which ranks they reduce
+    (one pipeline stage, one expert group), what they leave out (the experts),
+    or whether a rank takes part at all. Each field is one of those, applied to
+    every tensor's :class:`gclip.layout.Placement`:
+
+    ``drop``     axes removed from where copies are declared identical: copies
+                 along them count once each (summed as if they were shards).
+    ``add``      axes added to a sharded tensor's copies: its shards along them
+                 count on one rank only (the others' shards are missed).
+    ``untie``    a tensor tied across stages is counted on each stage.
+    ``apart``    the all-reduce leaves out this axis: ranks that differ along it
+                 never combine, each slice clips by its own norm.
+    ``omit``     tensors sharded along this axis are scaled but not counted.
+    ``skips_collective`` a rank with nothing to clip returns before the all-reduce.
+    ``shows_on`` a layout where the bug shows (the lab demonstrates it there).
+    """
+
+    name: str
+    summary: str
+    incident: str
+    explanation: str
+    drop: tuple[str, ...] = ()
+    add: tuple[str, ...] = ()
+    untie: bool = False
+    apart: str | None = None
+    omit: str | None = None
+    skips_collective: bool = False
+    shows_on: str = "pp=2,dp=2,tp=2"
+
+    def declare(self, placement: Any) -> Any:
+        """The placement this bug declares for a tensor that lies at ``placement``."""
+        reps = tuple(a for a in placement.replicated if a not in self.drop and a != self.apart)
+        reps += tuple(a for a in self.add if a in placement.sharded and a not in reps)
+        tied = None if self.untie or placement.tied == self.apart else placement.tied
+        return placement._replace(replicated=reps, tied=tied)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "incident": self.incident,
+            "explanation": self.explanation,
+            "shows_on": self.shows_on,
+        }
+
+
+LAYOUT_BUGS: tuple[LayoutBug, ...] = (
+    LayoutBug(
+        "dp-replicas-summed",
+        "data-parallel replicas summed as if they were shards",
+        "twinkle PR #290 (pure DDP: a norm of 0.8 reported as 1.131 on 2 ranks); VeOmni #184 (HSDP: "
+        "the norm reduced over the replicas too)",
+        "Every DP replica holds the same gradient, so adding their squares counts the model dp times: "
+        "the norm comes out sqrt(dp) times too large and the gradient is clipped too hard.",
+        drop=("dp",),
+    ),
+    LayoutBug(
+        "tp-duplicates-summed",
+        "tensors duplicated on every TP rank (norms, biases) counted tp times",
+        "NeMo RL PR #3788 (TP-replicated gradients counted tp_size times); ROCm TransformerEngine "
+        "PR #715 (replicated weights marked tensor-parallel: 1.36-1.52x the norm at TP=8)",
+        "Layer norms and biases are whole on every TP rank: summing each rank's copy counts them tp "
+        "times, so their share of the norm is inflated and clipping fires too early.",
+        drop=("tp",),
+    ),
+    LayoutBug(
+        "tp-rank0-only",
+        "only tensor-parallel rank 0's shards counted",
+        "DeepSpeed PR #5411 (TP and non-TP parameters in one group: only tp_rank 0's gradients in the "
+        "norm, about 2x off at TP=4)",
+        "Treating TP shards as copies counts only rank 0's shard of each weight: the other shards are "
+        "missing, the norm is too small and the gradient is clipped too little.",
+        add=("tp",),
+    ),
+    LayoutBug(
+        "pp-stages-apart",
+        "each pipeline stage clips by its own norm",
+        "torchtitan #596 (clip_grad_norm_ sees only the current stage), fixed by PR #649 (an extra "
+        "all-reduce over the pipeline mesh)",
+        "Each stage holds different layers; without a reduction across stages every stage computes "
+        "the norm of its own layers and applies its own scale: the update changes direction.",
+        apart="pp",
+    ),
+    LayoutBug(
+        "tied-counted-twice",
+        "an embedding tied between the first and last stage counted on both",
+        "Megatron-LM PR #7227 (Megatron-FSDP with PP=2: 40 instead of 28.28, the shared weight counted "
+        "on both stages)",
+        "The embedding and the output head are one tensor living on two stages: counting both copies "
+        "adds its squares twice and inflates the norm.",
+        untie=True,
+    ),
+    LayoutBug(
+        "ep-groups-apart",
+        "each expert-parallel group clips by its own norm",
+        "NeMo Automodel #3816 (a different 'global' norm on every EP group: 40.20 and 4.02; shared "
+        "weights drift apart)",
+        "Ranks of different expert groups hold different experts but the same dense weights; without "
+        "a reduction across the groups each applies its own scale, and the copies of the dense "
+        "weights, identical until then, drift apart.",
+        apart="ep",
+        shows_on="dp=2,ep=2,tp=2",
+    ),
+    LayoutBug(
+        "experts-left-out",
+        "expert gradients scaled but left out of the norm",
+        "DeepSpeed PR #8613 (fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0); "
+        "Megatron-LM PR #5916 (with EP and TP some experts omitted)",
+        "The norm covers the dense weights only, so it is too small and the experts, often most of "
+        "a mixture-of-experts model, are clipped too little.",
+        omit="ep",
+        shows_on="dp=2,ep=2,tp=2",
+    ),
+    LayoutBug(
+        "skip-collective",
+        "a rank with nothing to clip returns before the all-reduce: the others wait forever",
+        "AReaL PR #1139 (ranks with no gradients returned early from the norm; ranks with gradients "
+        "hung in the all_reduce)",
+        "An all-reduce completes only when every rank enters it. A rank that holds no gradient this "
+        "step must still contribute zero: returning early leaves every other rank waiting.",
+        skips_collective=True,
+    ),
+)
+
+LAYOUT_BUG_NAMES: dict[str, LayoutBug] = {b.name: b for b in LAYOUT_BUGS}
 
 
 def get(name: str) -> Strategy:

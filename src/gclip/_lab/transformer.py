@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import GclipValueError
-from ..layout import Mesh
+from ..layout import Mesh, Placement
 
-__all__ = ["LAYERS", "Piece", "clip_arguments", "full_tensor", "model_shapes", "pieces"]
+__all__ = ["LAYERS", "PLACEMENTS", "Piece", "clip_arguments", "full_tensor", "model_shapes", "pieces"]
 
 # sizes divisible by 1, 2, 3, 4 (and tp = 6, 8): any small world has layouts on every axis
 HIDDEN = 24
@@ -49,7 +49,16 @@ class Piece(NamedTuple):
     part: tuple[int, int, int]  # (axis, index, count): the shard of the tensor along axis (count 1: whole)
     array: np.ndarray
     replicated: Any  # the entry for replicated=: False, or the group holding identical copies
-    kind: str  # "shard", "tp-duplicate", "tied", "expert", ... (for the report and the gallery)
+    kind: str  # what it is in the layout: "tp-shard", "tp-duplicate", "tied embedding", "expert", ...
+    placement: Placement
+
+
+# where each kind of tensor lies (axes the mesh lacks are ignored)
+EMBEDDING = Placement(replicated=("dp", "ep"), sharded=("tp",), tied="pp")
+TP_SHARD = Placement(replicated=("dp", "ep"), sharded=("tp",))
+TP_DUPLICATE = Placement(replicated=("dp", "ep", "tp"))
+EXPERT = Placement(replicated=("dp",), sharded=("ep", "tp"))
+PLACEMENTS = (EMBEDDING, TP_SHARD, TP_DUPLICATE, EXPERT)
 
 
 def model_shapes(ep: bool) -> dict[str, tuple[int, ...]]:
@@ -83,10 +92,12 @@ def _shard(full: np.ndarray, axis: int, index: int, count: int) -> np.ndarray:
     return np.ascontiguousarray(np.split(full, count, axis=axis)[index])
 
 
-def pieces(mesh: Mesh, dtype: Any = np.float64) -> list[Piece]:
+def pieces(mesh: Mesh, dtype: Any = np.float64, placements: Any = None) -> list[Piece]:
     """This rank's arrays of the model under ``mesh`` (axes among pp, dp, tp, ep).
 
-    Every rank must call it (it may create the mesh's groups, a collective).
+    ``placements`` maps each of PLACEMENTS to the one declared (a gallery bug
+    declares some wrongly); by default each is declared as it lies. Every rank
+    must call this (it makes the mesh's groups: a collective, in one order).
     """
     pp, tp, ep = (mesh.shape.get(a, 1) for a in ("pp", "tp", "ep"))
     stage, t, e_rank = (mesh.coords.get(a, 0) for a in ("pp", "tp", "ep"))
@@ -96,50 +107,47 @@ def pieces(mesh: Mesh, dtype: Any = np.float64) -> list[Piece]:
             f"{VOCAB}: {mesh!r} does not split them evenly (pp must divide {LAYERS}, ep {EXPERTS}, "
             f"tp {math.gcd(HIDDEN, FFN, VOCAB)})"
         )
-    dense = tuple(a for a in ("dp", "ep") if a in mesh.shape)  # dense weights: the same on dp and ep ranks
-    shard_group = mesh.replicated(*dense)
-    duplicate_group = mesh.replicated(*dense, *(("tp",) if "tp" in mesh.shape else ()))
-    expert_group = mesh.replicated(*(("dp",) if "dp" in mesh.shape else ()))
-    tied = mesh.tied("pp", replicated=dense) if "pp" in mesh.shape else shard_group
+    declared = dict(zip(PLACEMENTS, PLACEMENTS)) if placements is None else placements
+    entries = {pl: mesh.entry(declared[pl]) for pl in PLACEMENTS}  # every rank, this order
     shapes = model_shapes("ep" in mesh.shape)
     per_stage = LAYERS // pp
     mine: list[Piece] = []
 
-    def add(name: str, axis: int, group: Any, kind: str, count: int = tp, index: int = t) -> None:
+    def add(name: str, axis: int, placement: Placement, kind: str, count: int = tp, index: int = t) -> None:
         full = full_tensor(name, shapes[name], dtype)
         array = _shard(full, axis, index, count) if count > 1 else full
-        mine.append(Piece(name, (axis, index, count), array, group, kind))
+        mine.append(Piece(name, (axis, index, count), array, entries[placement], kind, declared[placement]))
 
     if stage == 0 or stage == pp - 1:
-        add("embed", 0, tied, "tied embedding" if pp > 1 else "embedding (tied to the head)")
+        add("embed", 0, EMBEDDING, "tied embedding" if pp > 1 else "embedding (tied to the head)")
     for layer in range(stage * per_stage, (stage + 1) * per_stage):
         p = f"layers.{layer}."
-        add(p + "ln1", 0, duplicate_group, "tp-duplicate", count=1, index=0)
-        add(p + "attn.qkv", 0, shard_group, "tp-shard")
-        add(p + "attn.proj", 1, shard_group, "tp-shard")
-        add(p + "ln2", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+        add(p + "ln1", 0, TP_DUPLICATE, "tp-duplicate", count=1, index=0)
+        add(p + "attn.qkv", 0, TP_SHARD, "tp-shard")
+        add(p + "attn.proj", 1, TP_SHARD, "tp-shard")
+        add(p + "ln2", 0, TP_DUPLICATE, "tp-duplicate", count=1, index=0)
         if "ep" in mesh.shape:
-            add(p + "mlp.router", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+            add(p + "mlp.router", 0, TP_DUPLICATE, "tp-duplicate", count=1, index=0)
             for e in range(e_rank * (EXPERTS // ep), (e_rank + 1) * (EXPERTS // ep)):
-                add(p + f"mlp.experts.{e}.fc1", 0, expert_group, "expert")
-                add(p + f"mlp.experts.{e}.fc2", 1, expert_group, "expert")
+                add(p + f"mlp.experts.{e}.fc1", 0, EXPERT, "expert")
+                add(p + f"mlp.experts.{e}.fc2", 1, EXPERT, "expert")
         else:
-            add(p + "mlp.fc1", 0, shard_group, "tp-shard")
-            add(p + "mlp.fc2", 1, shard_group, "tp-shard")
+            add(p + "mlp.fc1", 0, TP_SHARD, "tp-shard")
+            add(p + "mlp.fc2", 1, TP_SHARD, "tp-shard")
     if stage == pp - 1:
-        add("final_ln", 0, duplicate_group, "tp-duplicate", count=1, index=0)
+        add("final_ln", 0, TP_DUPLICATE, "tp-duplicate", count=1, index=0)
     return mine
 
 
 def clip_arguments(
-    mesh: Mesh, dtype: Any = np.float64
+    mesh: Mesh, dtype: Any = np.float64, placements: Any = None
 ) -> tuple[list[np.ndarray], list[Any], list[str], list[Piece]]:
     """(arrays, replicated, names, pieces) as a training step passes them to the clip.
 
     With one pipeline stage the tied embedding is used twice (input and
     output), and passed twice: the very same array, counted and scaled once.
     """
-    mine = pieces(mesh, dtype)
+    mine = pieces(mesh, dtype, placements)
     arrays = [p.array for p in mine]
     entries = [p.replicated for p in mine]
     names = [p.name for p in mine]
