@@ -1,0 +1,212 @@
+"""The lab's model clipped on real ranks under a mesh: correctly, or with a gallery bug.
+
+A gallery bug is either a mode of the engine (``mode=``: the bug is in how the
+norm is combined) or a layout bug (``gclip.strategies.LAYOUT_BUGS``: the clip
+is right, what it is told is wrong). :func:`clip_model` runs either on this
+rank and returns what the rank did; the demo gathers the results.
+
+The hang bug (``skip-collective``) is shown without hanging: the ranks that
+hold no gradient return before the all-reduce, the others wait for it under a
+watchdog, then every rank reports what it did on a second communicator (a
+collective on another communicator does not mix with the stuck one), and the
+ranks that skipped enter the all-reduce late so that it completes and the job
+ends cleanly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import strategies
+from ..clip import clip_by_global_norm, clip_with_norm, global_norm
+from ..engine import HEADER_SIZE
+from ..layout import Mesh
+from . import transformer
+
+__all__ = ["RankClip", "bug_names", "clip_model", "frozen_ranks"]
+
+WATCHDOG_S = 2.0  # how long the ranks wait for a skipped all-reduce before they say so
+
+
+class RankClip(NamedTuple):
+    """What one rank did in one clip of the model."""
+
+    rank: int
+    coords: dict[str, int]
+    norm: float | None  # the norm this rank clipped by (None: it never got one)
+    scale: float | None  # the scale it applied (None: it applied none)
+    counted: int  # elements this rank counted in the norm
+    held: int  # elements this rank holds
+    pieces: list[transformer.Piece]  # its arrays, as they are after the clip
+    note: str  # what happened, in words (the hang bug: who waited, who skipped)
+
+
+def bug_names() -> list[str]:
+    """Every bug the demo can run on a layout: the engine's modes, then the layout bugs."""
+    return [b.name for b in strategies.BUGS] + [b.name for b in strategies.LAYOUT_BUGS]
+
+
+def frozen_ranks(mesh: Mesh) -> list[int]:
+    """The ranks with nothing to clip in the hang demonstration: the last pipeline
+    stage's (its layers frozen, as in a fine-tuning job), or the last rank."""
+    if mesh.shape.get("pp", 1) > 1:
+        last = mesh.shape["pp"] - 1
+        return [r for r in range(mesh.size) if Mesh((r, mesh.size), **mesh.shape).coords["pp"] == last]
+    return [mesh.size - 1]
+
+
+def clip_model(
+    mesh: Mesh,
+    max_norm: float,
+    *,
+    bug: str | None = None,
+    norm_type: float = 2.0,
+    reproducible: bool = False,
+    dtype: Any = np.float64,
+) -> RankClip:
+    """Clip this rank's part of the model, in place, correctly or with ``bug``.
+
+    Collective over ``mesh.comm``: every rank calls it with the same arguments.
+    """
+    layout_bug = strategies.LAYOUT_BUG_NAMES.get(bug or "")
+    mode = bug if bug in strategies.STRATEGIES else "global"
+    placements = None
+    if layout_bug is not None:
+        placements = {pl: layout_bug.declare(pl) for pl in transformer.PLACEMENTS}
+    arrays, entries, _, pieces = transformer.clip_arguments(mesh, dtype, placements)
+    comm = _clip_comm(mesh, layout_bug)
+    held = sum(p.array.size for p in pieces)
+    kwargs = dict(norm_type=norm_type, reproducible=reproducible, replicated=entries)
+    if layout_bug is not None and layout_bug.skips_collective:
+        return _skip_collective(mesh, arrays, pieces, max_norm, kwargs, held)
+    if layout_bug is not None and layout_bug.omit in mesh.shape:
+        kept = [i for i in range(len(arrays)) if not _omitted(layout_bug, i, pieces)]
+        norm = global_norm(
+            [arrays[i] for i in kept],
+            comm=comm,
+            norm_type=norm_type,
+            reproducible=reproducible,
+            replicated=[entries[i] for i in kept],
+        )
+        clip_with_norm(arrays, max_norm, norm, inplace=True)
+        scale = strategies.GLOBAL.scale(norm, max_norm)
+        counted = sum(arrays[i].size for i in set(kept))
+        return RankClip(mesh.rank, mesh.coords, norm, scale, counted, held, pieces, "")
+    result = clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
+    counted = sum(p.array.size for p in pieces if p.replicated is False or _counts_here(p.replicated))
+    return RankClip(mesh.rank, mesh.coords, result.total_norm, result.scale, counted, held, pieces, "")
+
+
+def _omitted(bug: strategies.LayoutBug, index: int, pieces: list) -> bool:
+    piece = (
+        pieces[index] if index < len(pieces) else pieces[0]
+    )  # past the pieces: the head, i.e. the embedding
+    return bug.omit in piece.placement.sharded
+
+
+def _counts_here(entry: Any) -> bool:
+    return entry is True or (entry is not None and entry.Get_rank() == 0)
+
+
+def _clip_comm(mesh: Mesh, bug: strategies.LayoutBug | None) -> Any:
+    """The communicator the clip reduces over: the world, or (a bug) one slice of it."""
+    if bug is None or bug.apart is None or bug.apart not in mesh.shape:
+        return mesh.comm
+    group = mesh.replicated(*(a for a in mesh.axes if a != bug.apart))
+    if group is False:  # this rank is alone in its slice
+        from mpi4py import MPI
+
+        return MPI.COMM_SELF
+    return group
+
+
+def _skip_collective(
+    mesh: Mesh, arrays: list, pieces: list, max_norm: float, kwargs: dict, held: int
+) -> RankClip:
+    """The hang bug, shown under a watchdog (see the module docstring)."""
+    from mpi4py import MPI
+
+    comm = mesh.comm
+    frozen = frozen_ranks(mesh)
+    reports = comm.Dup()  # the second communicator, for what each rank did
+    watched = _WatchedComm(comm, WATCHDOG_S)
+    if mesh.rank in frozen:  # "nothing to clip": returns before the all-reduce
+        did = ("skipped", 0.0)
+    else:
+        try:
+            clip_by_global_norm(arrays, max_norm, comm=watched, inplace=True, **kwargs)
+            did = ("clipped", watched.waited)
+        except _Timeout:
+            did = ("waited", watched.waited)
+    told = reports.allgather(did)
+    skipped = [r for r, (what, _) in enumerate(told) if what == "skipped"]
+    waited = [r for r, (what, _) in enumerate(told) if what == "waited"]
+    if mesh.rank in frozen:  # enter the all-reduce late, with nothing, so that it completes
+        header = np.zeros(HEADER_SIZE)  # (a nonblocking collective matches only nonblocking ones)
+        comm.Iallreduce(header, np.empty_like(header), op=MPI.SUM).Wait()
+    else:
+        watched.finish()
+    reports.Free()
+    from ..layout import ranges
+
+    note = (
+        f"{'rank' if len(skipped) == 1 else 'ranks'} {ranges(skipped)} returned without entering the "
+        f"all-reduce; {'rank' if len(waited) == 1 else 'ranks'} {ranges(waited)} waited "
+        f"{WATCHDOG_S:g} s and gave up (without the watchdog they would wait forever)"
+    )
+    return RankClip(mesh.rank, mesh.coords, None, None, 0, held, pieces, note)
+
+
+class _Timeout(Exception):
+    """The watched all-reduce did not complete in time."""
+
+
+class _WatchedComm:
+    """A communicator whose Allreduce gives up after ``timeout`` seconds (the request is
+    kept, to be completed by :meth:`finish` once the late ranks have entered)."""
+
+    def __init__(self, comm: Any, timeout: float) -> None:
+        self._comm = comm
+        self._timeout = timeout
+        self._pending: Any = None
+        self.waited = 0.0
+
+    def Get_rank(self) -> int:
+        return self._comm.Get_rank()
+
+    def Get_size(self) -> int:
+        return self._comm.Get_size()
+
+    def Allreduce(self, send: np.ndarray, recv: np.ndarray, op: Any = None) -> None:
+        request = self._comm.Iallreduce(send, recv, op=op)
+        start = time.monotonic()
+        while not request.Test():
+            self.waited = time.monotonic() - start
+            if self.waited > self._timeout:
+                self._pending = request
+                raise _Timeout
+            time.sleep(0.005)
+        self.waited = time.monotonic() - start
+
+    def __getattr__(self, name: str) -> Any:  # everything else: the communicator's own
+        return getattr(self._comm, name)
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._pending.Wait()
+            self._pending = None
+
+
+def true_norm(ep: bool, norm_type: float = 2.0) -> float:
+    """The model's norm from its definition alone (every tensor whole, once): the oracle."""
+    values = [
+        np.abs(transformer.full_tensor(name, shape)).ravel()
+        for name, shape in transformer.model_shapes(ep).items()
+    ]
+    if math.isinf(norm_type):
+        return float(max(v.max() for v in values))
+    return math.fsum(float(x) ** norm_type for v in values for x in v) ** (1.0 / norm_type)
