@@ -21,7 +21,7 @@ import pytest
 
 import gclip
 from gclip import demo
-from gclip._cli import UsageError
+from gclip._lab.cli import UsageError
 from gclip.contract import rounded, seed_checks
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -354,7 +354,7 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
 
 
 def test_require_names_the_extra(monkeypatch):
-    from gclip import plots
+    from gclip._lab import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(UsageError, match=r"gclip\[plot\]"):

@@ -59,8 +59,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _cli
-from ._cli import UsageError
+from ._lab import cli as _cli
+from ._lab.cli import UsageError
+from .errors import exception_line
 
 __all__ = ["CountingComm", "main", "parse_dtypes", "parse_sizes"]
 
@@ -154,7 +155,7 @@ def _options(argv: Sequence[str] | None) -> Any:
     if args.repeat is None and args.quick:
         args.repeat = 5
     if args.plot:
-        from . import plots
+        from ._lab import plots
 
         plots.require()
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -479,7 +480,7 @@ def torch_setup(comm: Any, threads: int) -> tuple[Any, str]:
             timeout=datetime.timedelta(seconds=60),
         )
     except Exception as exc:  # noqa: BLE001 - agreed on below; the bench goes on without torch
-        error = _cli._one_line(exc)
+        error = exception_line(exc, with_type=False)
     errors = [e for e in comm.allgather(error) if e]
     if errors:
         return None, f"torch.distributed (gloo) did not start: {errors[0]}; torch comparison skipped"
@@ -950,7 +951,7 @@ def _columns(lines: list[list[str]]) -> str:
 
 def plot_results(result: dict[str, Any], path: str) -> None:
     """Time per active clip against size, per dtype; and each clip's ratio to the floor."""
-    from . import plots
+    from ._lab import plots
 
     rows = result["rows"]
     dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: d != "float64")
@@ -1140,7 +1141,7 @@ def format_sweep(result: dict[str, Any]) -> str:
 
 
 def plot_sweep(result: dict[str, Any], path: str) -> None:
-    from . import plots
+    from ._lab import plots
 
     rows = result["sweep"]
     dtypes = sorted({r["dtype"] for r in rows}, key=lambda d: d != "float64")

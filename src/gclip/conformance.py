@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import _cli
+from ._lab import cli as _cli
 
 __all__ = ["Case", "Outcome", "Verdict", "judge", "main", "make_cases", "parse_target"]
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _cli
-from ._cli import UsageError
+from ._lab import cli as _cli
+from ._lab.cli import UsageError
 from ._validate import max_norm as validate_limit
 from .clip import clip_by_global_norm, clip_simulated
 from .contract import rounded
@@ -753,7 +753,7 @@ def sweep(opts: Options, modes: Sequence[str], max_ranks: int = SWEEP_RANKS) -> 
 
 def render_plot(report: dict, opts: Options, path: str) -> int:
     """The slide: local norms vs the limit, per-rank scales, the clipped norm as ranks grow."""
-    from . import plots
+    from ._lab import plots
 
     col = plots.COLORS
     bug = opts.bug
@@ -829,7 +829,7 @@ def _preflight_plot(opts: Options, comm: Any) -> None:
     """Rank 0 checks that the plot can be made; every rank learns the verdict before any clip."""
     problem = None
     if comm.Get_rank() == 0:
-        from . import plots
+        from ._lab import plots
 
         folder = os.path.dirname(opts.plot or "") or "."
         try:

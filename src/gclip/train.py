@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _cli, strategies
+from . import strategies
+from ._lab import cli as _cli
 from .clip import clip_by_global_norm
 
 __all__ = [
