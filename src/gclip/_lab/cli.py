@@ -25,7 +25,9 @@ from .. import _validate
 from ..errors import GclipError, exception_line
 
 __all__ = [
+    "INTERRUPTED",
     "ArgParser",
+    "Fault",
     "UsageError",
     "abort_job",
     "check_writable",

@@ -21,7 +21,15 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-__all__ = ["TIMED_OUT", "MpirunNotFound", "child_env", "find_mpirun", "run"]
+__all__ = [
+    "HYDRA_TIMEOUT_LINE",
+    "KILL_GRACE",
+    "TIMED_OUT",
+    "MpirunNotFound",
+    "child_env",
+    "find_mpirun",
+    "run",
+]
 
 TIMED_OUT = 124  # the status GNU timeout gives, so callers read both the same way
 HYDRA_TIMEOUT_LINE = "APPLICATION TIMED OUT"  # Hydra's watchdog fired (it may still exit 0)

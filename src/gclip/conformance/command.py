@@ -18,7 +18,7 @@ from .report import as_json, report
 from .target import parse_target
 from .verdict import judge
 
-__all__ = ["PROG", "main"]
+__all__ = ["DESCRIPTION", "MAX_RANDOM", "MAX_TIMEOUT", "PROG", "main"]
 
 PROG = "gclip.conformance"
 DESCRIPTION = (

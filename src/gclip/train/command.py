@@ -13,7 +13,7 @@ from .figure import plot
 from .loop import Config, train
 from .report import json_report, text_report
 
-__all__ = ["MAX_STEPS", "PROG", "main"]
+__all__ = ["DESCRIPTION", "MAX_STEPS", "PROG", "main"]
 
 PROG = "gclip.train"
 DESCRIPTION = "A small model trained with sharded parameters and global-norm clipping."
