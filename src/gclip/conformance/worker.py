@@ -189,6 +189,7 @@ class Worker:
 
 
 def _from_json(rows: Any) -> Any:
+    """The worker's rows as floats again: it wrote non-finite ones as strings ("inf", "nan")."""
     if isinstance(rows, list):
         return [_from_json(r) for r in rows]
     return float(rows) if isinstance(rows, str) else rows
