@@ -8,6 +8,8 @@ from typing import Any
 from .._lab.cli import entry
 from .figure import check_plot, render_plot
 from .gallery import render_bugs
+from .layout import render_layout, run_layout
+from .layout import to_json as layout_json
 from .options import PROG, parse_args
 from .ranks import run, to_json
 from .text import render_text
@@ -29,6 +31,11 @@ def _main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
 
     if opts.list_bugs:
         say(render_bugs(opts.json))
+        return 0
+    if opts.layout:
+        report = run_layout(opts, comm)
+        if report is not None:
+            say(layout_json(report) if opts.json else render_layout(report, opts))
         return 0
     if opts.plot:
         check_plot(opts, comm)

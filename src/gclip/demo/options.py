@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._lab.cli import ArgParser, UsageError, parse_max_norm
-from ..strategies import BUGS, GLOBAL, STRATEGIES
+from ..strategies import BUGS, GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, STRATEGIES
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -43,6 +43,7 @@ class Options:
     json: bool
     plot: str | None
     list_bugs: bool
+    layout: str | None = None  # e.g. "pp=2,dp=2,tp=2": the lab's model laid out over the ranks
 
     @property
     def mode(self) -> str:
@@ -52,13 +53,13 @@ class Options:
     def p(self) -> float:
         if self.norm_type is not None:
             return self.norm_type
-        if self.bug and STRATEGIES[self.bug].norm_type is not None:
+        if self.bug in STRATEGIES and STRATEGIES[self.bug].norm_type is not None:
             return float(STRATEGIES[self.bug].norm_type)  # type: ignore[arg-type]
         return 2.0
 
 
 def _parser() -> ArgParser:
-    names = [b.name for b in BUGS]
+    names = [b.name for b in BUGS] + [b.name for b in LAYOUT_BUGS]
     p = ArgParser(
         prog="mpiexec -n 4 python -m gclip.demo",
         description="Clip one gradient sharded over the MPI ranks by its global norm, phase by phase.",
@@ -70,6 +71,11 @@ def _parser() -> ArgParser:
         choices=names,
         metavar="NAME",
         help="also run a gallery bug on the same data, side by side (alone: per-rank; see --list-bugs)",
+    )
+    p.add_argument(
+        "--layout",
+        metavar="AXES",
+        help="lay a small transformer out over the ranks, e.g. pp=2,dp=2,tp=2 (axes pp, dp, tp, ep)",
     )
     p.add_argument("--shards", metavar="JSON", help="one list of numbers per rank, e.g. '[[3,0],[0,4]]'")
     p.add_argument("--max-norm", default=str(DEFAULT_LIMIT), metavar="X", help="the max norm (default 1)")
@@ -105,9 +111,29 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
         raise UsageError(f"--size must be between 0 and {MAX_SIZE}, got {ns.size}")
     if ns.plot is not None and not ns.plot.strip():
         raise UsageError("--plot needs a file name")
+    if ns.buggy in LAYOUT_BUG_NAMES and ns.layout is None:
+        shows = LAYOUT_BUG_NAMES[ns.buggy].shows_on
+        raise UsageError(f"--buggy {ns.buggy} is a layout bug: add --layout (e.g. --layout {shows})")
+    if ns.layout is not None:
+        clash = [
+            f for f, v in (("--shards", ns.shards), ("--replicated", ns.replicated), ("--plot", ns.plot)) if v
+        ]
+        if clash:
+            raise UsageError(f"--layout lays out its own model: drop {', '.join(clash)}")
     shards, limit, replicated, p = parse_data(ns.shards, ns.max_norm, ns.replicated, ns.norm_type, ranks)
     return Options(
-        shards, replicated, limit, p, ns.seed, ns.size, ns.buggy, ns.reproducible, ns.json, ns.plot, False
+        shards,
+        replicated,
+        limit,
+        p,
+        ns.seed,
+        ns.size,
+        ns.buggy,
+        ns.reproducible,
+        ns.json,
+        ns.plot,
+        False,
+        ns.layout,
     )
 
 

@@ -13,7 +13,7 @@ from ..strategies import STRATEGIES
 from .options import Options
 from .ranks import shard_for
 
-__all__ = ["ansi_pad", "bold", "green", "num", "pname", "red", "render_text"]
+__all__ = ["ansi_pad", "bold", "green", "num", "pname", "red", "render_text", "wrap"]
 
 _SHOW_VALUES = 8  # print the values themselves when every shard is at most this long
 
@@ -130,7 +130,7 @@ def _text_correct(report: dict, opts: Options) -> list[str]:
         f"cosine with the original: {_cos(report['cosine'])}",
     ]
     lines += _values_lines(report, opts)
-    lines += ["", bold("What happened:"), *_wrap(" ".join(_happened_correct(report, opts)), "  ")]
+    lines += ["", bold("What happened:"), *wrap(" ".join(_happened_correct(report, opts)), "  ")]
     lines += [
         "Next: --buggy (each rank clips by its own norm), --buggy NAME (see --list-bugs),",
         "      --plot demo.png, --json, --shards '[[3,0],[0,4]]' --max-norm 2",
@@ -199,8 +199,8 @@ def _text_buggy(report: dict, opts: Options) -> list[str]:
     if bug.name == "per-rank" and opts.replicated:
         lines.append("   (per-rank: each rank's own norm includes its own copy of the bias)")
     lines += _values_lines(report, opts)
-    lines += ["", bold("What happened:"), *_wrap(" ".join(_happened_buggy(report, opts)), "  ")]
-    lines += [bold("Why:"), *_wrap(bug.explanation, "  ")]
+    lines += ["", bold("What happened:"), *wrap(" ".join(_happened_buggy(report, opts)), "  ")]
+    lines += [bold("Why:"), *wrap(bug.explanation, "  ")]
     lines.append("Other bugs: --list-bugs; the picture: --plot demo.png")
     return lines
 
@@ -268,7 +268,7 @@ def _happened_buggy(report: dict, opts: Options) -> list[str]:
     return out
 
 
-def _wrap(text: str, indent: str, width: int = 100) -> list[str]:
+def wrap(text: str, indent: str, width: int = 100) -> list[str]:
     words, lines, line = text.split(), [], ""
     for w in words:
         if line and len(line) + 1 + len(w) > width - len(indent):
