@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from .. import strategies
 from .._lab import plots
 from .._lab.cli import ArgParser, UsageError, check_writable, entry, parse_max_norm, say
+from ..layout import Mesh
 from .figure import plot
+from .layout import train_layout
 from .loop import Config, train
 from .report import json_report, text_report
 
@@ -71,7 +73,8 @@ def _parser() -> ArgParser:
         metavar="NAME",
         help="clip with a gallery bug (alone: per-rank) and compare with the correct run",
     )
-    p.add_argument("--reproducible", action="store_true", help="the same bits for any rank count")
+    p.add_argument("--reproducible", action="store_true", help="the same bits for any rank count and layout")
+    p.add_argument("--layout", metavar="AXES", help="lay the MLP out over pp, dp and tp, e.g. pp=2,dp=2,tp=2")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="save loss curves (needs matplotlib)")
     return p
@@ -101,10 +104,18 @@ def _main(argv: Sequence[str] | None) -> int:
         max_norm=args.max_norm,
         reproducible=args.reproducible,
         norm_type=strategy.norm_type or 2.0,
+        layout=args.layout,
     )
-    runs = [train(config, mode, comm)]
-    if args.buggy:
-        runs.append(train(config, "global", comm))
+    if args.layout:
+        mesh = Mesh.parse(comm, args.layout)
+        runs = [train_layout(config, mode, mesh)]
+        if args.buggy:
+            runs.append(train_layout(config, "global", mesh))
+        mesh.free()
+    else:
+        runs = [train(config, mode, comm)]
+        if args.buggy:
+            runs.append(train(config, "global", comm))
     ranks = comm.Get_size()
     if args.json:
         say(json_report(runs, config, ranks))

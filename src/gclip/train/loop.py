@@ -43,6 +43,7 @@ class Config(NamedTuple):
     max_norm: float
     reproducible: bool
     norm_type: float
+    layout: str | None = None  # e.g. "pp=2,dp=2,tp=2"; None: flat slices, one per rank
 
 
 def train(config: Config, mode: str, comm: Any) -> Run:

@@ -23,6 +23,7 @@ def summary(run: Run, config: Config, ranks: int) -> dict:
         "max_norm": config.max_norm,
         "norm_type": config.norm_type,  # inf is written "inf"
         "reproducible": config.reproducible,
+        "layout": config.layout,
         "params": Model().flat_size + CLASSES,
         "clipped_steps": run.clipped_steps,
         "final_loss": run.final_loss,
@@ -56,9 +57,13 @@ def text_report(runs: list[Run], config: Config, ranks: int) -> None:
     """A few steps of the run, its digest, and how it compares with the correct run (rank 0 prints)."""
     run = runs[0]
     model = Model()
+    where = (
+        f"laid out as {config.layout.replace(',', ' x ')} (W1, b1, W2 cut over tp, b2 whole on each tp rank)"
+        if config.layout
+        else f"{model.flat_size} weights sharded over {ranks} rank(s) + {CLASSES} replicated"
+    )
     say(
-        f"gclip.train: MLP {model.inputs}-{model.hidden}-{model.classes}, {model.flat_size} weights "
-        f"sharded over {ranks} rank(s) + {CLASSES} replicated; mode {run.mode}, "
+        f"gclip.train: MLP {model.inputs}-{model.hidden}-{model.classes}, {where}; mode {run.mode}, "
         f"max_norm {config.max_norm:g}, lr {config.lr:g}, reproducible={config.reproducible}"
     )
     say(f"{'step':>6} {'loss':>12} {'clip norm':>12} {'applied':>10}  clipped")
