@@ -235,11 +235,14 @@ def _bug_lines(report: dict, opts: Options) -> list[str]:
         lines += [red("  " + b["note"]), ""]
         lines += [bold("Why:"), *wrap(bug["explanation"], "  ")]
         return lines
-    lines.append(f"   {'rank':>4}  {'correct: norm -> scale':<28}{'bug: norm -> scale'}")
+    lines.append(f"   {'ranks':<10}{'correct: norm -> scale':<28}{'bug: norm -> scale'}")
+    groups: dict[str, list[int]] = {}  # ranks with the same numbers share a line
     for good, bad in zip(c["per_rank"], b["per_rank"]):
         left = f"{num(good['norm'])} -> {num(good['scale'])}"
         right = f"{num(bad['norm'])} -> {num(bad['scale'])}"
-        lines.append(f"   {good['rank']:>4}  {left:<28}{right}")
+        groups.setdefault(f"{left:<28}{right}", []).append(good["rank"])
+    for text, ranks in groups.items():
+        lines.append(f"   {ranges(ranks):<10}{text}")
     lines.append(
         f"   clipped model norm: correct {num(c['clipped_norm'], 8)}, bug {num(b['clipped_norm'], 8)} "
         f"({num(b['clipped_norm'] / limit, 4)} x limit)"
