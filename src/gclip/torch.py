@@ -198,7 +198,8 @@ def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradient
     picked: list[tuple[str, torch.Tensor, Any]] = []
     for i, item in enumerate(items):
         if of_parameters:
-            _checked(item, f"parameters[{i}]")
+            if not isinstance(item, torch.Tensor):
+                _checked(item, f"parameters[{i}]")  # raises: says what it is
             if item.grad is None:
                 continue  # as torch: a parameter without a gradient is skipped
             where, g = f"parameters[{i}].grad", item.grad
@@ -325,8 +326,9 @@ def _global_norm(world: _Mpi | _TorchGroup, call: _Call) -> float:
 
 
 def _norm_tensor(norm: float, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The norm as torch returns it (a 0-d tensor on the first gradient's device), in float64."""
-    return torch.tensor(norm, dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    """The norm as torch returns it (a 0-d tensor on the first gradient's device), in float64.
+    (torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device)"""
+    return torch.full((), norm, dtype=torch.float64, device=grads[0].device if grads else "cpu")
 
 
 def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -> None:
@@ -337,7 +339,7 @@ def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -
     so rounding the scale cannot lift the clipped norm above the limit), then
     rounds each product to the gradient's dtype. The scale travels as a 0-d
     tensor on the device, as torch's clip does: no sync, and foreach kernels keep
-    it in float32 (given as a Python float they round it to bfloat16).
+    it in float32 (given as a Python float, they round it to bfloat16 on the CPU).
     """
     if scale == 1.0 or not grads:  # exactly 1: nothing to do, not even a read
         return
@@ -346,9 +348,9 @@ def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (device, dtype), group in groups.items():
         if dtype == torch.float64:
-            factor = torch.tensor(scale, dtype=torch.float64, device=device)
+            factor = torch.full((), scale, dtype=torch.float64, device=device)
         else:
-            factor = torch.tensor(_float32_toward_zero(scale), dtype=torch.float32, device=device)
+            factor = torch.full((), _float32_toward_zero(scale), dtype=torch.float32, device=device)
         if foreach is False:
             for g in group:
                 g.mul_(factor)
