@@ -227,19 +227,27 @@ def raised(call) -> tuple[str, str]:
     return "nothing", ""
 
 
-def test_bad_input_on_one_rank_is_the_same_error_on_every_rank(comm, world):
+BAD_INPUT = {
+    "integer": ("GclipTypeError", "has dtype torch.int64"),
+    "overlap": ("GclipValueError", "overlap in memory"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_INPUT))
+def test_bad_input_on_one_rank_is_the_same_error_on_every_rank(comm, world, bad):
     mine = held(comm.rank)
     grads = [p.grad for p in mine.parameters()]
     last = comm.size - 1
-    if comm.rank == last:
-        grads[0] = torch.arange(3)  # an integer gradient on the last rank only
+    if comm.rank == last and bad == "integer":
+        grads[0] = torch.arange(3)
+    if comm.rank == last and bad == "overlap":
+        flat = torch.zeros(20)
+        grads += [flat[:10], flat[5:15]]  # two gradients sharing part of their memory
     kind, message = raised(lambda: gt.get_total_norm(grads, comm=world.comm))
     every = comm.allgather((kind, message))
-    ok = (
-        all(e == every[0] for e in every)
-        and kind == "GclipTypeError"
-        and f"rank {last} of {comm.size}" in message
-    )
+    expected_kind, words = BAD_INPUT[bad]
+    same = all(e == every[0] for e in every)
+    ok = same and kind == expected_kind and f"rank {last} of {comm.size}" in message and words in message
     agree(comm, ok, f"{world.kind}: {every}")
 
 
