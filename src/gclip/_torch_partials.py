@@ -223,7 +223,7 @@ class _Bins:
         self.binned = binned
         self.lo = torch.zeros(binned.nbins, dtype=torch.int64, device=device)
         self.hi = torch.zeros(binned.nbins, dtype=torch.int64, device=device)
-        self.flags = torch.zeros(2, dtype=torch.float64, device=device)  # rows holding NaN, inf
+        self.flags = torch.zeros(2, dtype=torch.int64, device=device)  # rows holding NaN, inf
         self.rows = torch.zeros(chunk_size(device), dtype=torch.float64, device=device)
 
     def deposit(self, c: torch.Tensor) -> None:
@@ -236,7 +236,7 @@ class _Bins:
         v[n:].zero_()
         v = v.view(-1, block).abs_()  # rows of BLOCK values: each row's digit sums stay below 2**53
         m = v.amax(dim=1)  # NaN propagates
-        self.flags += torch.stack([m.isnan().sum(), m.isinf().sum()]).double()
+        self.flags += torch.stack([m.isnan().sum(), m.isinf().sum()])
         live = torch.isfinite(m) & (m > 0)  # other rows give no digits: zeros, or inf/NaN (flagged)
         v.masked_fill_(~live.unsqueeze(1), 0.0)
         # the row's top bin t, exactly as BinnedPowerSum._deposit computes it from the block's max
@@ -263,8 +263,11 @@ class _Bins:
                 v.sub_(q).mul_(2.0**W)  # the remainder, scaled so the next bin's unit is 1 (exact)
 
     def result(self) -> tuple[list[int], bool, bool]:
-        lo, hi, flags = self.lo.tolist(), self.hi.tolist(), self.flags.tolist()
-        return [h * (1 << 24) + low for h, low in zip(hi, lo)], flags[0] > 0, flags[1] > 0
+        """(the counts per bin, any NaN, any inf), read from the device at once."""
+        n = self.binned.nbins
+        got = torch.cat([self.lo, self.hi, self.flags]).tolist()
+        counts = [h * (1 << 24) + low for low, h in zip(got[:n], got[n : 2 * n])]
+        return counts, got[2 * n] > 0, got[2 * n + 1] > 0
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
