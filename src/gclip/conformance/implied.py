@@ -135,9 +135,7 @@ def norm_hints(
         elif abs(off) <= NEAR_FLOAT32:
             found.append(f"the global norm off by {off:+.2g} relative (rounding, e.g. float32 arithmetic)")
         else:
-            found.append(
-                f"no norm we know: {abs(off):.3g}x {'above' if off > 0 else 'below'} the global norm"
-            )
+            found.append(f"no norm we know ({norm / exact:.4g} times the global norm)")
     return found
 
 
