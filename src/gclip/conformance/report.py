@@ -6,7 +6,7 @@ from typing import Any
 
 from .._lab.cli import color
 from .._lab.jsonout import dumps
-from ..strategies import STRATEGIES
+from ..strategies import LAYOUT_BUG_NAMES, STRATEGIES
 from .verdict import Verdict
 
 __all__ = ["as_json", "fingerprint_lines", "report", "verdict_line"]
@@ -52,15 +52,15 @@ def verdict_line(grade: str, failed: int, checks: int, fingerprint: str | None, 
     if grade == "pass":
         return color(f"verdict: PASS ({checks} checks)", "32")
     if grade == "near miss":
-        what = f"{fingerprint}, " if fingerprint in STRATEGIES else ""
+        what = f"{fingerprint}, " if fingerprint in STRATEGIES else ""  # a near miss is never a hang
         return color(f"verdict: NEAR MISS ({what}{failed} of {checks} checks {near})", "33")
     return color(f"verdict: FAIL ({failed} of {checks} checks failed)", "31")
 
 
 def fingerprint_lines(name: str | None, score: float | None, unknown_hint: str) -> list[str]:
     """The gallery bug the implementation reproduces, in a learner's words."""
-    if name in STRATEGIES:
-        bug = STRATEGIES[name]
+    bug: Any = STRATEGIES.get(name or "") or LAYOUT_BUG_NAMES.get(name or "")
+    if bug is not None:
         lines = [f"fingerprint: {bug.name}: {bug.summary}"]
         if bug.incident:
             lines.append(f"  seen in: {bug.incident}")
