@@ -108,7 +108,7 @@ def explain(traces: Sequence[RankTrace], seconds: float | None = None) -> Stuck:
 
     if dead:
         r = dead[0]
-        text = f"{_who(dead)} died ({traces[r].died}) during the call, {before(r)}"
+        text = f"{_who(dead)} died during the call ({traces[r].died}), {before(r)}"
         if waiting:
             text += f"; {_waiting_words(traces, waiting)}"
         return Stuck(text + later, "died", tuple(dead))

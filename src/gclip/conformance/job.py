@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import signal
 import sys
@@ -36,7 +35,6 @@ __all__ = ["MAX_LOST", "POLL_S", "START_TIMEOUT", "JobSpec", "Runs", "run_cases"
 MAX_LOST = 3  # cases that hang or kill a rank before the judge stops
 START_TIMEOUT = 120.0  # seconds for every rank to start and load the function (torch is slow)
 POLL_S = 0.01
-_DEATH = re.compile(r"PID (\d+) RUNNING AT [^\n]*\n=\s*(EXIT CODE: \d+|KILLED BY SIGNAL: [^\n]*)")
 
 
 class JobSpec(NamedTuple):
@@ -124,14 +122,16 @@ def _rank_run(events: list[dict]) -> RankRun:
     return RankRun("lost", None, None, ops)
 
 
-def _deaths(output: str, ranks: Sequence[_Rank]) -> dict[int, str]:
-    """Rank -> "exit code 9", from Hydra's report of a process that ended badly."""
-    by_pid = {r.pid: i for i, r in enumerate(ranks)}
-    out = {}
-    for pid, what in _DEATH.findall(output):
-        if int(pid) in by_pid:
-            out[by_pid[int(pid)]] = what.lower().replace("killed by signal: ", "killed by signal ")
-    return out
+def _deaths(ranks: Sequence[_Rank], case: int) -> dict[int, str]:
+    """The ranks that died in ``case``: neither finished nor waiting in a collective when the
+    job ended (mpirun then killed the others, wherever they waited). Which exit status the
+    dead rank had, mpirun does not reliably say (it reports one of the ranks it killed)."""
+    dead = {}
+    for i, r in enumerate(ranks):
+        trace = hangs.trace_of(r.events.get(case, []))
+        if trace.finished is None and trace.inside is None:
+            dead[i] = "its process ended"
+    return dead or {i: "its process ended" for i, r in enumerate(ranks) if "outcome" not in _kinds(r, case)}
 
 
 class _Job:
@@ -278,9 +278,7 @@ def _watch(job: _Job, spec: JobSpec, first: int, total: int) -> _Watched:
             if not ready:
                 tail = " / ".join(output.strip().splitlines()[-3:]) or "no output"
                 raise UsageError(f"cannot run {spec.target}: the job ended while loading it ({tail})")
-            died = _deaths(output, ranks) or {
-                i: "its process ended" for i, r in enumerate(ranks) if "outcome" not in _kinds(r, case)
-            }
+            died = _deaths(ranks, case)
             runs.append(_case_run(job, case, died, None))
             return _Watched(runs, runs[-1].lost, None, note)
         now = time.monotonic()

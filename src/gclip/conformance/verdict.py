@@ -188,12 +188,11 @@ def grade(
     if worst > NEAR_MISS and fingerprint_name not in NEAR_MISS_BUGS:
         return "fail", None
     sized = [errors[i] or 0.0 for i in failed if norms[i] >= SMALL_NORM] or [worst]
-    far = [i for i in failed if (errors[i] or 0.0) > NEAR_MISS]
+    tiny = [i for i in failed if norms[i] < SMALL_NORM and (errors[i] or 0.0) > max(sized)]
     how = f"off by at most {max(sized):.2g} relative"
-    if far:
-        how += (
-            f" where the norm is >= {SMALL_NORM:g}; {len(far)} with a tiny norm are off by up to {worst:.2g}"
-        )
+    if tiny:
+        few = f"{len(tiny)} check{'s' * (len(tiny) != 1)}"
+        how += f"; on {few} with a norm below {SMALL_NORM:g} by up to {worst:.2g}"
     return "near miss", how
 
 
