@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -167,7 +167,7 @@ def fingerprint(
     cases: Sequence[DistCase],
     runs: Sequence[CaseRun],
     failed: Sequence[int],
-    gallery: dict[str, list[list[list[np.ndarray]] | None]],
+    gallery: dict[str, list[Any]],
 ) -> tuple[str | None, dict[str, float]]:
     """The gallery bug whose outputs the function reproduces (as the single-process judge does)."""
     if not failed:
@@ -183,15 +183,26 @@ def fingerprint(
     scores: dict[str, float] = {}
     best: tuple[int, int, str] | None = None
     for name, outputs in gallery.items():
-        hits = {i for i in valid if _matches(cases[i], outputs[i], runs[i])}
+        # which of the bug's variants (if it has several) each case's outputs equal
+        matched = {i: _matching(cases[i], outputs[i], runs[i]) for i in valid}
+        hits = {i for i, alt in matched.items() if alt is not None}
         explained = sum(
-            i in hits and not _matches(cases[i], cases[i].expected, _as_run(outputs[i])) for i in wrong
+            i in hits and not _matches(cases[i], cases[i].expected, _as_run(matched[i])) for i in wrong
         )
         scores[name] = round(len(hits) / len(valid), 4)
         if explained and explained >= MATCH_SHARE * len(wrong) and len(hits) >= MATCH_SHARE * len(valid):
             if best is None or (len(hits), explained) > best[:2]:
                 best = (len(hits), explained, name)
     return (best[2] if best else "unknown"), scores
+
+
+def _matching(case: DistCase, outputs: Any, run: CaseRun) -> Any:
+    """The variant of a bug's outputs that the run equals, or None. A bug's outputs are one
+    per-rank list, or a tuple of variants (two readings of the same mistake)."""
+    for variant in outputs if isinstance(outputs, tuple) else [outputs]:
+        if _matches(case, variant, run):
+            return variant
+    return None
 
 
 def _as_run(values: list[list[np.ndarray]] | None) -> CaseRun:
@@ -219,7 +230,7 @@ def judge_runs(
     size: int,
     cases: Sequence[DistCase],
     runs: Sequence[CaseRun],
-    gallery: dict[str, list[list[list[np.ndarray]] | None]],
+    gallery: dict[str, list[Any]],
     stopped: str | None,
     note: str | None = None,
 ) -> DistVerdict:

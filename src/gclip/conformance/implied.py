@@ -95,19 +95,29 @@ def digits_to_tell(a: float, b: float) -> int:
 
 
 def norm_hints(
-    norm: float, sumsq: Sequence[float], counts: Sequence[int], kind: str, rtol: float = SAME
+    norm: float,
+    sumsq: Sequence[float],
+    counts: Sequence[int],
+    kind: str,
+    rtol: float = SAME,
+    global_norm: float | None = None,
 ) -> list[str]:
     """What a norm equals, among the norms a clip may compute by mistake.
 
     ``sumsq[u]`` and ``counts[u]`` are unit u's sum of squares and element
     count; ``rtol`` how close it must be to be the global norm (the values'
     precision). Returns phrases such as "the norm without rank 2", best first.
+    ``global_norm``: the true one when units hold copies (a layout), so that
+    the sum over units counts some values more than once.
     """
     local = [math.sqrt(s) for s in sumsq]
     total = math.fsum(sumsq)
-    exact = math.sqrt(total)
+    every = math.sqrt(total)
+    exact = every if global_norm is None else global_norm
     units = len(sumsq)
     candidates: list[tuple[str, float]] = [("the global norm", exact)]
+    if abs(every - exact) > rtol * exact:
+        candidates.append((f"the norm of every value on every {kind}, copies counted each time", every))
     if units > 1:
         for k in range(units):
             if sumsq[k] > 0:
@@ -177,7 +187,7 @@ def unit_lines(
         lines.append(f"applied: the same {words} on every {kind}")
         norm = implied_norm(s, max_norm)
         if norm is not None and math.isfinite(norm):
-            hints = norm_hints(norm, sumsq, counts, kind, rtol)
+            hints = norm_hints(norm, sumsq, counts, kind, rtol, global_norm)
             lines.append(f"  the implied norm {norm:.{digits}g} is {'; or '.join(hints)}")
         elif abs(s - 1.0) <= SAME:
             lines.append(f"  left unchanged although the global norm {global_norm:.6g} is above max_norm")

@@ -135,6 +135,44 @@ def _simulated_model(
     return [b[0] for b in built], [b[1] for b in built], [b[2] for b in built]
 
 
+def _slices(shape: dict[str, int], axis: str) -> list[list[int]]:
+    size = math.prod(shape.values())
+    coords = [Mesh((r, size), **shape).coords[axis] for r in range(size)]
+    return [[r for r in range(size) if coords[r] == v] for v in range(shape[axis])]
+
+
+def _apart(
+    case: LayoutCase, shape: dict[str, int], bug: LayoutBug, arrays: list, entries: list
+) -> list[list[np.ndarray]]:
+    """The bug as declared: each slice along ``bug.apart`` a clip of its own (gclip's engine)."""
+    out: list[list[np.ndarray]] = [[] for _ in arrays]
+    for members in _slices(shape, bug.apart or ""):
+        where = {m: i for i, m in enumerate(members)}
+        local = [[_local(e, where) for e in entries[m]] for m in members]
+        results = clip_simulated([arrays[m] for m in members], case.max_norm, replicated=local)
+        for m, res in zip(members, results):
+            out[m] = list(res.grads)
+    return out
+
+
+def _apart_kept(case: LayoutCase, shape: dict[str, int], axis: str) -> list[list[np.ndarray]]:
+    """The other reading: the copies declared right (each counted on its group's first rank),
+    but the sum reduced within each slice along ``axis`` only."""
+    arrays, entries = _simulated_inputs(case, shape, None)
+    out: list[list[np.ndarray]] = [[] for _ in arrays]
+    for members in _slices(shape, axis):
+        total = math.fsum(
+            float(np.sum(np.square(a, dtype=np.float64)))
+            for m in members
+            for a, e in zip(arrays[m], entries[m])
+            if not isinstance(e, Group) or e.rank == 0
+        )
+        scale = GLOBAL.scale(math.sqrt(total), case.max_norm)
+        for m in members:
+            out[m] = list(apply_scale(arrays[m], scale)) if arrays[m] else []
+    return out
+
+
 def _local(entry: Any, where: dict[int, int]) -> Any:
     """A Group of world ranks as a Group of one slice's ranks."""
     if isinstance(entry, Group):
@@ -142,10 +180,12 @@ def _local(entry: Any, where: dict[int, int]) -> Any:
     return entry
 
 
-def simulate(
-    case: LayoutCase, shape: dict[str, int], bug: str | None = None
-) -> list[list[np.ndarray]] | None:
-    """Every rank's arrays after gclip's clip, or after the gallery bug ``bug`` (None: cannot show)."""
+def simulate(case: LayoutCase, shape: dict[str, int], bug: str | None = None) -> Any:
+    """Every rank's arrays after gclip's clip, or after the gallery bug ``bug``.
+
+    None: the bug cannot show as values (a hang). A tuple: the bug's variants,
+    each a per-rank list (a reduction over part of the mesh, with the copies
+    declared as the bug declares them, or as they are)."""
     layout_bug = LAYOUT_BUG_NAMES.get(bug or "")
     if layout_bug is not None and layout_bug.skips_collective:
         return None  # a hang, not a value: told apart by how the case never ends
@@ -153,16 +193,8 @@ def simulate(
     mode = bug if bug is not None and layout_bug is None else "global"
     size = len(arrays)
     if layout_bug is not None and layout_bug.apart in shape:
-        out: list[list[np.ndarray]] = [[] for _ in range(size)]
-        axis = layout_bug.apart
-        for value in range(shape[axis]):
-            members = [r for r in range(size) if Mesh((r, size), **shape).coords[axis] == value]
-            where = {m: i for i, m in enumerate(members)}
-            local = [[_local(e, where) for e in entries[m]] for m in members]
-            results = clip_simulated([arrays[m] for m in members], case.max_norm, replicated=local)
-            for m, res in zip(members, results):
-                out[m] = list(res.grads)
-        return out
+        apart = layout_bug.apart
+        return (_apart(case, shape, layout_bug, arrays, entries), _apart_kept(case, shape, apart))
     if layout_bug is not None and layout_bug.omit in shape:
         pieces = _simulated_model(tuple(shape.items()), case.dtype, case.frozen, layout_bug)[2]
         kept = [[i for i, p in enumerate(ps) if layout_bug.omit not in p.placement.sharded] for ps in pieces]
