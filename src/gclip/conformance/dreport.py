@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .dverdict import DistVerdict
-from .report import fingerprint_lines, verdict_line
+from .report import fingerprint_lines, first_failures, verdict_line
 from .spread import GROUPS
 
 __all__ = ["as_json", "report"]
@@ -117,7 +117,7 @@ def report(v: DistVerdict, *, mode: str, layout: dict | None, seed: int, shown: 
         return lines
     hint = "it fails like no bug of the gallery: see the scales below"
     lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
-    lines.append(f"first {min(shown, len(v.failed))} failures:")
+    lines.append(first_failures(shown, len(v.failed)))
     for i in v.failed[:shown]:
         case, run = v.cases[i], v.runs[i]
         lines.append(f"  {case.label}  (max_norm {case.max_norm:g})")

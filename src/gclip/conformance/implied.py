@@ -89,7 +89,7 @@ def scale_words(scale: float | None, max_norm: float, digits: int = 6) -> str:
 def digits_to_tell(a: float, b: float) -> int:
     """Significant digits that show two close numbers apart (6 when they are far apart)."""
     gap = abs(a - b) / max(abs(a), abs(b), 1e-300)
-    if gap == 0 or gap >= 1e-5:
+    if gap <= SAME or gap >= 1e-5:
         return 6
     return min(15, math.ceil(-math.log10(gap)) + 2)
 

@@ -9,7 +9,7 @@ from .._lab.jsonout import dumps
 from ..strategies import LAYOUT_BUG_NAMES, STRATEGIES
 from .verdict import Verdict
 
-__all__ = ["as_json", "fingerprint_lines", "report", "verdict_line"]
+__all__ = ["as_json", "fingerprint_lines", "first_failures", "report", "verdict_line"]
 
 
 def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
@@ -73,6 +73,10 @@ def fingerprint_lines(name: str | None, score: float | None, unknown_hint: str) 
     return [f"fingerprint: {name} ({unknown_hint})"]
 
 
+def first_failures(shown: int, failed: int) -> str:
+    return "the failure:" if failed == 1 else f"first {min(shown, failed)} failures:"
+
+
 def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
     """The readable verdict, line by line."""
     groups = [
@@ -94,7 +98,7 @@ def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
         return lines
     hint = "it fails like no bug of the gallery: see the scales below"
     lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
-    lines.append(f"first {min(shown, len(v.failed))} failures:")
+    lines.append(first_failures(shown, len(v.failed)))
     for i in v.failed[:shown]:
         case, outcome = v.cases[i], v.outcomes[i]
         lines.append(f"  {case.label}")
