@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..clip import clip_simulated
+import numpy as np
+
+from ..clip import apply_scale, clip_simulated
+from ..strategies import TORCH_EPS
 from . import layout_cases
-from .dverdict import DistCase, DistVerdict, expected_case, gallery_names, judge_runs
+from .dverdict import DistCase, DistVerdict, Loose, expected_case, gallery_names, judge_runs
 from .job import JobSpec, run_cases
-from .spread import make_rank_cases
+from .spread import RankCase, make_rank_cases
 from .target import Target
 
 __all__ = ["judge_distributed", "rank_cases"]
@@ -32,16 +35,28 @@ def rank_cases(size: int, count: int, seed: int) -> tuple[list[Any], list[DistCa
     """(the cases the ranks run, the verdict's view of them, each gallery bug's outputs)."""
     cases = make_rank_cases(size, count, seed)
     views = [expected_case(c.label, c.ranks, c.max_norm, clip_simulated(c.ranks, c.max_norm)) for c in cases]
-    gallery = {
-        name: [
-            _try(
-                lambda c=c, name=name: [list(r.grads) for r in clip_simulated(c.ranks, c.max_norm, mode=name)]
-            )
-            for c in cases
-        ]
+    gallery: dict[str, list[Any]] = {
+        name: [_try(lambda c=c, name=name: _bug_outputs(c, name)) for c in cases]
         for name in gallery_names(layout=False)
     }
+    # torch's own clip_grad_norm_ on each rank's shard: per-rank, with torch's epsilon
+    gallery["per-rank"] = [
+        (outputs, Loose(_try(lambda c=c: _per_rank_epsilon(c))))
+        for outputs, c in zip(gallery["per-rank"], cases)
+    ]
     return cases, views, gallery
+
+
+def _bug_outputs(case: RankCase, name: str) -> list[list[np.ndarray]]:
+    return [list(r.grads) for r in clip_simulated(case.ranks, case.max_norm, mode=name)]
+
+
+def _per_rank_epsilon(case: RankCase) -> list[list[np.ndarray]]:
+    out = []
+    for arrays in case.ranks:
+        local = math.sqrt(math.fsum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays))
+        out.append(list(apply_scale(arrays, min(1.0, case.max_norm / (local + TORCH_EPS)))))
+    return out
 
 
 def _layout_cases(shape: dict[str, int], count: int, seed: int) -> tuple[list[Any], list[DistCase], dict]:
