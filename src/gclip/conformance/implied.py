@@ -140,7 +140,7 @@ def norm_hints(
     found = [name for name, value in candidates[1:] if value > 0 and abs(norm - value) <= loose * value]
     if not found and exact > 0:
         off = (norm - exact) / exact
-        if abs(norm - exact - 1e-6) <= 5e-8 + loose * exact:
+        if abs(norm - exact - 1e-6) <= 1e-7 + rtol * exact:
             found.append("the global norm + 1e-6 (an epsilon added to the norm, as torch does)")
         elif abs(off) <= NEAR_FLOAT32:
             found.append(f"the global norm off by {off:+.2g} relative (rounding, e.g. float32 arithmetic)")
