@@ -129,7 +129,7 @@ def judge(tmp_path, name: str, *args: str, ranks: int = 3, timeout: int = 240) -
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["TMPDIR"] = str(jobs)  # the judge's job folder, so that pgrep can find its ranks
     cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", str(ranks), "--json"]
-    proc = subprocess.run(cmd + [*QUICK, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([*cmd, *QUICK, *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.stdout.count("\n") == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
     left = subprocess.run(["pgrep", "-f", str(jobs)], capture_output=True, text=True)
     assert left.stdout == "", f"left running: {left.stdout}"
