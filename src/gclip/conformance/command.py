@@ -28,7 +28,16 @@ from .report import as_json, report
 from .target import parse_target
 from .verdict import judge
 
-__all__ = ["DESCRIPTION", "MAX_RANDOM", "MAX_RANKS", "MAX_TIMEOUT", "PROG", "main"]
+__all__ = [
+    "DEFAULT_RANDOM",
+    "DEFAULT_RANDOM_LAYOUT",
+    "DESCRIPTION",
+    "MAX_RANDOM",
+    "MAX_RANKS",
+    "MAX_TIMEOUT",
+    "PROG",
+    "main",
+]
 
 PROG = "gclip.conformance"
 DESCRIPTION = (
@@ -38,6 +47,8 @@ DESCRIPTION = (
 MAX_RANDOM = 100_000
 MAX_TIMEOUT = 3600.0
 MAX_RANKS = 64
+DEFAULT_RANDOM = 200
+DEFAULT_RANDOM_LAYOUT = 20  # each layout case is the whole model, on every rank
 
 
 def _nonneg_int(text: str) -> int:
@@ -77,7 +88,12 @@ def _parser() -> ArgParser:
         help="FILE.py:FUNC or package.module:func: (shards, limit) -> shards, or with --ranks "
         "(grads, max_norm, comm) -> clipped list or None",
     )
-    p.add_argument("--random", type=_nonneg_int, default=200, help="random layouts to try (default 200)")
+    p.add_argument(
+        "--random",
+        type=_nonneg_int,
+        default=None,
+        help=f"random layouts to try (default {DEFAULT_RANDOM}; {DEFAULT_RANDOM_LAYOUT} with --layout)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random layouts (default 0)")
     p.add_argument("--timeout", type=_timeout, default=5.0, help="seconds per call or case (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text verdict")
@@ -143,6 +159,8 @@ def _distributed(args: Any) -> tuple[bool, str]:
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     _refuse_launcher()
+    if args.random is None:
+        args.random = DEFAULT_RANDOM_LAYOUT if args.layout is not None else DEFAULT_RANDOM
     if args.ranks is not None or args.torch or args.layout is not None:
         passed, text = _distributed(args)
     else:
