@@ -1,6 +1,6 @@
 """A bug of no gallery: the last shard is left out of the norm (but still scaled).
 
-    python -m gclip.conformance examples/judge/drop_last_clip.py:clip_shards
+python -m gclip.conformance examples/judge/drop_last_clip.py:clip_shards
 """
 
 import numpy as np

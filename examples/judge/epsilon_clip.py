@@ -1,6 +1,6 @@
 """A near miss: torch's epsilon, max_norm / (norm + 1e-6), in an otherwise correct clip.
 
-    python -m gclip.conformance examples/judge/epsilon_clip.py:clip_shards
+python -m gclip.conformance examples/judge/epsilon_clip.py:clip_shards
 """
 
 import numpy as np
