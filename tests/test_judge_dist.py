@@ -118,7 +118,8 @@ def clip(grads, max_norm, comm):
 """,
 }
 
-QUICK = ("--random", "12", "--timeout", "2")
+QUICK = ("--random", "12", "--timeout", "20")  # no case of a working function comes near 20 s
+HANG = ("--timeout", "3")  # where a case must hang: the time each hang costs
 
 
 def judge(tmp_path, name: str, *args: str, ranks: int = 3, timeout: int = 240) -> tuple[int, dict]:
@@ -179,11 +180,11 @@ def test_the_epsilon_is_a_named_near_miss_with_its_size(tmp_path):
 
 
 def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):
-    code, out = judge(tmp_path, "skip")
+    code, out = judge(tmp_path, "skip", *HANG)
     assert code == 1 and out["fingerprint"] == "skip-collective"
     first = out["failures"][0]
     assert first["reason"] == (
-        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 2 s)"
+        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 3 s)"
     )
     assert [r["outcome"] for r in first["ranks"]] == ["did not finish", "did not finish", "returned"]
     assert first["ranks"][0]["collectives"] == ["allreduce"] and first["ranks"][2]["collectives"] == []
@@ -205,19 +206,19 @@ def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):
     ],
 )
 def test_exceptions_deaths_and_deadlocks_name_the_ranks(tmp_path, name, reason):
-    code, out = judge(tmp_path, name, "--random", "0", "--timeout", "1.5")
+    code, out = judge(tmp_path, name, "--random", "0", *HANG)
     assert code == 1 and out["stopped"] is not None
     assert len(out["failures"]) == 3 and all(f["reason"].startswith(reason) for f in out["failures"])
 
 
 def test_after_a_hang_the_judge_goes_on_with_a_fresh_job(tmp_path):
-    code, out = judge(tmp_path, "hangs_once", "--random", "0")
+    code, out = judge(tmp_path, "hangs_once", "--random", "0", *HANG)
     assert code == 1 and out["stopped"] is None and out["checks"] == 35 + 8 + 3 + 7  # every case ran
     (failure,) = out["failures"]
     assert failure["check"] == "contract N=1: zero limit"
     assert failure["reason"] == (
         "rank 1 returned after 1 collective, without entering the 2nd; ranks 0, 2 waited in Barrier "
-        "(ended after 2 s)"
+        "(ended after 3 s)"
     )
 
 
@@ -225,7 +226,7 @@ def test_text_verdict_of_a_hang(tmp_path):
     path = tmp_path / "skip.py"
     path.write_text(HEAD + textwrap.dedent(FUNCTIONS["skip"]))
     proc = subprocess.run(
-        [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", "3", *QUICK],
+        [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", "3", *QUICK, *HANG],
         capture_output=True,
         text=True,
         timeout=240,

@@ -107,7 +107,7 @@ def judge(tmp_path, source: str, func: str, *args: str, timeout: int = 400) -> t
 # --torch
 
 pytest.importorskip("torch")
-TORCH_ARGS = ("--ranks", "3", "--torch", "--random", "10", "--timeout", "4")
+TORCH_ARGS = ("--ranks", "3", "--torch", "--random", "10", "--timeout", "20")
 
 
 def test_torch_correct_passes(tmp_path):
@@ -128,7 +128,7 @@ def test_torch_clip_grad_norm_on_each_shard_is_per_rank(tmp_path):
 
 def test_torch_hang_is_named_and_the_judge_goes_on(tmp_path):
     code, out = judge(
-        tmp_path, TORCH, "skips_once", "--ranks", "3", "--torch", "--random", "0", "--timeout", "4"
+        tmp_path, TORCH, "skips_once", "--ranks", "3", "--torch", "--random", "0", "--timeout", "5"
     )
     assert code == 1 and out["stopped"] is None and out["checks"] == 35 + 8 + 3 + 7
     (failure,) = out["failures"]
@@ -141,7 +141,7 @@ def test_torch_hang_is_named_and_the_judge_goes_on(tmp_path):
 # ---------------------------------------------------------------------------
 # --layout
 
-LAYOUT_ARGS = ("--layout", "pp=2,tp=2", "--random", "3", "--timeout", "4")
+LAYOUT_ARGS = ("--layout", "pp=2,tp=2", "--random", "3", "--timeout", "20")
 
 
 def test_layout_correct_passes(tmp_path):
@@ -157,7 +157,7 @@ def test_layout_bugs_are_named(tmp_path, func, bug):
 
 
 def test_layout_frozen_stage_skipping_hangs_as_skip_collective(tmp_path):
-    code, out = judge(tmp_path, LAYOUT, "skip", *LAYOUT_ARGS)
+    code, out = judge(tmp_path, LAYOUT, "skip", *LAYOUT_ARGS, "--timeout", "4")
     assert code == 1 and out["fingerprint"] == "skip-collective" and out["stopped"] is None
     (failure,) = out["failures"]
     assert failure["check"].startswith("layout: the last stage is frozen")

@@ -17,9 +17,14 @@ of hanging.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,42 +43,83 @@ __all__ = ["TRACE_BYTES", "conforms", "verdict_message"]
 
 TRACE_BYTES = 4096  # one rank's trace, as JSON, in the watchdogs' exchange
 ABORT_CODE = 3
+LAST_RESORT_S = 30.0  # after the timeout: faulthandler ends a rank whose watchdog could not run
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class _Watchdog(threading.Thread):
-    """Aborts the job when a case overruns ``timeout``, after saying which ranks did what."""
+    """Aborts the job when a case overruns ``timeout``, after saying which ranks did what.
 
-    def __init__(self, comm: Any, timeout: float, name: str) -> None:
+    Each rank's events also go to a file in a folder all ranks share (when
+    they share one: one machine, or a shared file system), written before the
+    rank blocks in a collective. Any rank whose watchdog can run reads every
+    rank's file: mpi4py's pickle-based collectives (``allreduce``, ``bcast``)
+    hold the GIL while they wait, so a stuck rank's own watchdog may never
+    run. Without a shared folder the watchdogs swap their traces over MPI.
+    """
+
+    def __init__(self, comm: Any, timeout: float, name: str, folder: str | None) -> None:
         super().__init__(daemon=True)
         self.comm = comm  # a communicator of the watchdogs alone
         self.timeout = timeout
         self.name_of_fn = name
+        self.folder = folder
         self.case: int | None = None
         self.label = ""
         self.started = 0.0
         self.events: list[dict] = []
         self.stop = threading.Event()
+        self.stderr = _real_stderr()
+        self.fd = None
+        if folder is not None:
+            path = os.path.join(folder, f"rank{comm.Get_rank()}.jsonl")
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def begin(self, case: int, label: str) -> None:
-        self.events = [{"e": "start", "c": case}]
+        self.events = []
         self.label = label
         self.started = time.monotonic()
+        self.sink({"e": "start", "c": case})
         self.case = case
+        # the last resort, which needs no GIL: if even the watchdogs cannot run, end this rank
+        faulthandler.dump_traceback_later(self.timeout + LAST_RESORT_S, exit=True, file=self.stderr)
 
     def finish(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
         self.case = None
 
     def sink(self, event: dict) -> None:
         self.events.append(event)
+        if self.fd is not None:
+            os.write(self.fd, (json.dumps(event) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def run(self) -> None:
         while not self.stop.wait(0.05):
             if self.case is not None and time.monotonic() - self.started > self.timeout:
-                self._abort()
+                self._abort(self.case)
+
+    def _read(self, case: int) -> list[hangs.RankTrace] | None:
+        """Every rank's trace of ``case``, from the shared folder."""
+        if self.folder is None:
+            return None
+        traces = []
+        for r in range(self.comm.Get_size()):
+            try:
+                with open(os.path.join(self.folder, f"rank{r}.jsonl"), "rb") as f:
+                    lines = f.read().split(b"\n")
+            except OSError:
+                return None
+            events = [json.loads(line) for line in lines if line.strip()]
+            traces.append(hangs.trace_of([e for e in events if e.get("c") == case]))
+        return traces
 
     def _exchange(self) -> list[hangs.RankTrace] | None:
-        """Every rank's trace, if every rank's watchdog answers in time."""
+        """Every rank's trace, if every rank's watchdog answers in time (no shared folder)."""
         mine = json.dumps(list(hangs.trace_of(list(self.events)))).encode()[:TRACE_BYTES]
         send = np.zeros(TRACE_BYTES, dtype=np.uint8)
         send[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
@@ -90,9 +136,19 @@ class _Watchdog(threading.Thread):
             traces.append(hangs.RankTrace(*fields) if fields else hangs.RankTrace())
         return traces
 
-    def _abort(self) -> None:
+    def _first_to_say(self) -> bool:
+        """One rank prints: the first whose watchdog gets here (a file only one can create)."""
+        if self.folder is None:
+            return self.comm.Get_rank() == 0
+        try:
+            os.close(os.open(os.path.join(self.folder, "said"), os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except OSError:
+            return False
+        return True
+
+    def _abort(self, case: int) -> None:
         rank = self.comm.Get_rank()
-        traces = self._exchange()
+        traces = self._read(case) or self._exchange()
         head = f"gclip.testing.assert_conforms({self.name_of_fn}): {self.label}"
         if traces is None:
             mine = hangs.trace_of(list(self.events))
@@ -104,12 +160,42 @@ class _Watchdog(threading.Thread):
             message = f"{head}: {stuck.reason}"
             if stuck.kind == "skipped":
                 message += " (fingerprint: skip-collective, a rank returned before the all-reduce)"
-        if traces is None or rank == 0:
-            sys.stderr.write(message + "; aborting the job: the collective can never complete\n")
-            sys.stderr.flush()
+        if traces is None or self._first_to_say():
+            text = message + "; aborting the job: the collective can never complete\n"
+            os.write(self.stderr, text.encode())
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
         else:
-            time.sleep(2.0)  # let rank 0 say it first; abort ourselves if it could not
+            time.sleep(2.0)  # let the first say it; abort ourselves if it could not
         self.comm.Abort(ABORT_CODE)
+
+
+def _real_stderr() -> int:
+    """The file descriptor of the real stderr. Under pytest's output capture, fd 2 is a
+    temporary file that dies with an aborted rank: pytest keeps the real one aside."""
+    capture = sys.modules.get("_pytest.capture")
+    if capture is not None:
+        try:
+            for obj in gc.get_objects():
+                if isinstance(obj, capture.CaptureManager):
+                    saved = getattr(getattr(obj._global_capturing, "err", None), "targetfd_save", None)
+                    if isinstance(saved, int):
+                        return saved
+        except Exception:  # noqa: BLE001 - pytest's internals moved: fd 2 it is
+            pass
+    return 2
+
+
+def _shared_folder(comm: Any) -> str | None:
+    """A folder every rank of ``comm`` can write and read, or None (ranks on other machines)."""
+    folder = tempfile.mkdtemp(prefix="gclip-conforms-") if comm.Get_rank() == 0 else None
+    folder = comm.bcast(folder, root=0)
+    seen = folder is not None and os.path.isdir(folder)
+    if all(comm.allgather(seen)):
+        return folder
+    if comm.Get_rank() == 0 and folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return None
 
 
 def _runs(gathered: list[list[dict]]) -> list[CaseRun]:
@@ -144,7 +230,8 @@ def conforms(
     cases, views, gallery = rank_cases(size, count, seed)
     side, watch = comm.Dup(), comm.Dup()
     user = recorder.recorded(comm.Dup())
-    dog = _Watchdog(watch, timeout, name)
+    folder = _shared_folder(side)
+    dog = _Watchdog(watch, timeout, name, folder)
     previous = recorder.current()
     rec = recorder.install(recorder.Recorder(dog.sink))
     dog.start()
@@ -166,9 +253,13 @@ def conforms(
     finally:
         dog.stop.set()
         dog.join()
+        dog.close()
         if previous is not None:
             recorder.install(previous)
-        for c in (side, watch, user):
-            c.Free()
+    side.Barrier()  # every rank is done with the folder
+    if folder is not None and rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    for c in (side, watch, user):
+        c.Free()
     verdict = judge_runs(name, size, views, _runs(gathered), gallery, None)
     return verdict, verdict_message(verdict, name, seed)
