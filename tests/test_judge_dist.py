@@ -73,6 +73,26 @@ def clip(grads, max_norm, comm):
     s = _scale(max_norm, max(comm.allgather(_sumsq(grads) ** 0.5)))
     return [g * s for g in grads]
 """,
+    "rms": """
+def clip(grads, max_norm, comm):
+    count = comm.allreduce(sum(g.size for g in grads))
+    s = _scale(max_norm, (comm.allreduce(_sumsq(grads)) / count) ** 0.5 if count else 0.0)
+    return [g * s for g in grads]
+""",
+    "mean_of_norms": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads) ** 0.5) / comm.Get_size())
+    return [g * s for g in grads]
+""",
+    "fp16_sum_of_squares": """
+def clip(grads, max_norm, comm):
+    local = np.float16(0)
+    for g in grads:
+        local = np.float16(local + np.sum(np.square(g.astype(np.float16)), dtype=np.float16))
+    norm = comm.allreduce(float(local)) ** 0.5
+    s = min(1.0, max_norm / norm) if norm > 0 else 1.0  # an overflow (inf) wipes the gradient
+    return [g * s for g in grads]
+""",
     "epsilon": """
 def clip(grads, max_norm, comm):
     s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5, eps=1e-6)
@@ -156,7 +176,7 @@ def test_correct_distributed_functions_pass(tmp_path, name):
         ("max_of_norms", "max-of-norms"),
     ],
 )
-def test_buggy_distributed_functions_are_named(tmp_path, name, bug):
+def test_buggy_distributed_functions_are_named_with_each_ranks_scale(tmp_path, name, bug):
     code, out = judge(tmp_path, name)
     assert code == 1 and out["grade"] == "fail" and out["fingerprint"] == bug
     first = out["failures"][0]
@@ -169,6 +189,14 @@ def test_buggy_distributed_functions_are_named(tmp_path, name, bug):
     scale["max-of-norms"] = (0.5, 0.5)
     assert first["ranks"][0]["actual"][0][0] == pytest.approx(3 * scale[bug][0])
     assert first["ranks"][1]["actual"][0][1] == pytest.approx(4 * scale[bug][1])
+
+
+@pytest.mark.parametrize(
+    "name,bug", [("rms", "rms"), ("mean_of_norms", "mean-of-norms"), ("fp16_sum_of_squares", "fp16-sumsq")]
+)
+def test_the_rest_of_the_gallery_is_named(tmp_path, name, bug):
+    code, out = judge(tmp_path, name)
+    assert code == 1 and out["grade"] == "fail" and out["fingerprint"] == bug
 
 
 def test_the_epsilon_is_a_named_near_miss_with_its_size(tmp_path):

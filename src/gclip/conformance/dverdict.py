@@ -78,8 +78,7 @@ def _error(got: np.ndarray, want: np.ndarray, given: np.ndarray) -> float:
 
 
 def _case_error(case: DistCase, run: CaseRun) -> float | None:
-    """The largest error relative to the dtype's tolerance... as a plain relative error; None:
-    some rank gave no value."""
+    """The case's largest relative error over every rank's arrays; None when a rank gave none."""
     worst = 0.0
     for given, want, rank in zip(case.ranks, case.expected, run.ranks):
         if rank.kind != "value" or rank.value is None:
