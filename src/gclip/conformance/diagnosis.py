@@ -41,6 +41,7 @@ class Diagnosis(NamedTuple):
     matches: list[str]  # the strategies whose scales equal the observed ones on every rank
     bug: str | None  # None: the clip is correct; a gallery bug's name; or "unknown"
     clipped: bool  # the step was clipped (else most bugs cannot be told apart)
+    local_norms: list[float]  # per rank: the norm of what it holds (copies counted)
     lines: list[str]  # the report, for a learner
 
     def __str__(self) -> str:
@@ -108,7 +109,7 @@ def diagnose(
             norms[s.name] = global_norm(b, comm=comm, mode=s.name, replicated=replicated)
     true_norm = norms["global"]
     would = {name: strategies.STRATEGIES[name].scale(n, limit) for name, n in norms.items()}
-    table = comm.allgather((mine.scale, mine.uniform, rtol, would))
+    table = comm.allgather((mine.scale, mine.uniform, rtol, would, norms["per-rank"]))
     scales = [row[0] for row in table]
     uniform = [row[1] for row in table]
     tol = max(row[2] for row in table)
@@ -135,6 +136,7 @@ def diagnose(
         matches,
         bug,
         clipped,
+        [row[4] for row in table],
         [],
     )
     return diag._replace(lines=_lines(diag, limit))
@@ -148,6 +150,10 @@ def _lines(d: Diagnosis, limit: float) -> list[str]:
     )
     for r, (s, ok) in enumerate(zip(d.scales, d.uniform)):
         words = implied.scale_words(s, limit, implied.digits_to_tell(s or 0.0, d.expected_scale))
+        norm = d.implied_norms[r]
+        own = d.local_norms[r]
+        if norm is not None and own > 0 and not d.same_scale and abs(norm - own) <= 1e-6 * own:
+            words += ": its own norm"
         lines.append(f"  rank {r}: {words}{'' if ok else ', not one scale for all its values'}")
     if d.same_scale:
         lines.append("  every rank applied the same scale")
