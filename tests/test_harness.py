@@ -214,3 +214,29 @@ def test_scripts_test_fails_in_one_line():
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["scripts/test: FAILED: PYTHON=no-such-python-here not found"]
+
+
+# --------------------------------------------------------------------------- CI = the README
+
+
+def readme_test_command() -> str:
+    """The README's one-line test command (the code block after 'Install and run the tests')."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index("Install and run the tests") :]
+    block = re.search(r"```bash\n(.+?)\n```", after, re.S)
+    assert block, "no test command in the README"
+    return block.group(1).strip()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    command = readme_test_command()
+    install, _, test = command.rpartition(" && ")
+    assert test == "scripts/test" and "pip install '.[test]'" in install, command
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    steps = [line for line in lines if line and not line.startswith("#")]
+    assert install in steps, f".ci/run does not run the README's install: {install}"
+    assert steps[-1] == test, ".ci/run must end with the README's test command"
+    assert "GCLIP_DOCKER_REHEARSE" not in " ".join(steps)
+    # nothing else installed but the torch extra
+    others = [s for s in steps if re.search(r"\bpip\b.*\binstall\b", s) and s != install]
+    assert all("torch" in s or "filelock" in s for s in others), others
