@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -179,6 +179,8 @@ def calls(draw) -> dict:
 
 def _layout_ok(given: Any, out: Any) -> str:
     """'' if ``out`` has the layout and dtypes of ``given``, else why not."""
+    if isinstance(given, (set, frozenset)):  # any other iterable: its items, as a list
+        given = list(given)
     if isinstance(given, (list, tuple)):  # the layout given: a tuple stays a tuple
         if type(out) is not type(given) or len(out) != len(given):
             return f"expected a {type(given).__name__} of {len(given)}, got {type(out).__name__}"
@@ -215,7 +217,19 @@ def _unchanged(snap: list) -> bool:
 
 @FUZZ
 @given(call=calls())
+@example(
+    call={
+        "max_norm": 0.0,
+        "norm_type": 2.0,
+        "mode": "global",
+        "reproducible": False,
+        "error_if_nonfinite": False,
+        "replicated": None,
+        "ranks": [set()],  # an iterable that is neither a list nor a tuple: a list comes back
+    }
+)
 def test_clip_simulated_returns_or_raises_a_gclip_error(call):
+    call = dict(call)  # an explicit example is the same dict each time
     ranks, max_norm, mode = call.pop("ranks"), call.pop("max_norm"), call["mode"]
     error_if_nonfinite = call["error_if_nonfinite"]
     snap = _snapshot(ranks)
