@@ -4,14 +4,24 @@ Under ``mpirun ... pytest --with-mpi``, a test that fails on one rank while the
 others wait in a collective would hang the job. The hook below ends the whole
 job at once instead (after printing the failure), so a failure is fast and
 visible; every mpirun in the suite also runs under a timeout.
+
+Every test has a time limit (pytest-timeout, ``timeout`` in pyproject.toml):
+SIGALRM fails a test that runs too long, by name. A hang the signal cannot
+interrupt (a rank blocked inside an MPI collective, C code holding on) meets
+the backstop here: a thread that names the test, dumps every thread's stack
+and ends the process (under mpirun, Hydra then ends the other ranks).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +29,52 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SEED_RECORD = ROOT / "tests" / "data" / "seed_000_adec46095326f7b8.json"
 MPIRUN_TIMEOUT = int(os.environ.get("GCLIP_TEST_TIMEOUT", "180"))
+# seconds after the per-test timeout before the backstop ends a hung process
+TIMEOUT_GRACE = float(os.environ.get("GCLIP_TEST_TIMEOUT_GRACE", "30"))
+
+
+# --------------------------------------------------------------------------- Hypothesis
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # pragma: no cover - hypothesis comes with the test extra
+    settings = None
+else:
+    # One profile for every run, the README's and CI's alike. Left alone, Hypothesis loads
+    # its derandomized "ci" profile when CI=true, so CI would never meet the examples a
+    # user's run meets. Here: random examples from one seed per run, printed at the end of
+    # the run (--hypothesis-seed=N replays it); no example database (no run depends on what
+    # an earlier one found, a failure is reported with its example and its reproduce blob);
+    # no deadline (a loaded machine's timing is not a failure; pytest-timeout catches hangs).
+    settings.register_profile(
+        "gclip",
+        derandomize=False,
+        database=None,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.load_profile("gclip")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Choose this run's Hypothesis seed (before Hypothesis' own plugin reads it)."""
+    if settings is None or not hasattr(config.option, "hypothesis_seed"):
+        return
+    if config.option.hypothesis_seed is None:
+        config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    seed = getattr(config.option, "hypothesis_seed", None)
+    if seed is not None and _world() is None:
+        terminalreporter.write_line(
+            f"hypothesis: seed {seed} (replay this run's examples: --hypothesis-seed={seed})"
+        )
+
+
+# --------------------------------------------------------------------------- MPI runs
 
 
 def _world():
@@ -38,6 +94,50 @@ def pytest_runtest_logreport(report):
         comm.Abort(1)
 
 
+# --------------------------------------------------------------------------- the timeout backstop
+
+
+_BACKSTOP = pytest.StashKey[threading.Timer]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """Arm the backstop; returning None lets pytest-timeout arm its own timer too."""
+    limit = settings.timeout + TIMEOUT_GRACE
+    timer = threading.Timer(limit, _hung, (item, limit))
+    timer.daemon = True
+    timer.name = f"gclip timeout backstop {item.nodeid}"
+    item.stash[_BACKSTOP] = timer
+    timer.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+    timer = item.stash.get(_BACKSTOP, None)
+    if timer is not None:
+        timer.cancel()
+
+
+def _hung(item, seconds: float) -> None:
+    """Name the test, dump every thread's stack, end the process (from the timer thread)."""
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)  # so that what follows reaches the terminal
+    comm = _world()
+    who = f"[rank {comm.Get_rank()}] " if comm is not None else ""
+    sys.stderr.write(
+        f"\n{who}TIMEOUT: {item.nodeid} still running after {seconds:g} s, beyond the reach of "
+        "SIGALRM; the stacks of every thread follow, then this process exits\n"
+    )
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
 def mpirun(
     n: int,
     *args: str,
@@ -46,20 +146,66 @@ def mpirun(
     check: bool = False,
     input: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``mpirun -n N <args>`` under a timeout, with Hydra's own watchdog too."""
+    """Run ``mpirun -n N <args>`` under a timeout, with Hydra's own watchdog too.
+
+    mpirun starts in a process group of its own; if it is still running
+    ``timeout + 15`` s later, the whole group (launcher, proxies, ranks) is
+    ended and the result has exit status 124, with a line saying so in stderr.
+    """
     exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
     if exe is None:
         pytest.skip("no mpirun on PATH")
     full_env = {**os.environ, "MPIEXEC_TIMEOUT": str(timeout), **(env or {})}
     cmd = [exe, "-n", str(n), *args]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout + 15, env=full_env, input=input
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
     )
-    if "APPLICATION TIMED OUT" in proc.stdout + proc.stderr:
-        proc.returncode = proc.returncode or 124  # Hydra's watchdog fired but may have exited 0
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
+    try:
+        out, err = proc.communicate(input, timeout=timeout + 15)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, err = end_group(proc)
+        err += f"\nconftest.mpirun: still running after {timeout + 15} s; ended its whole process group\n"
+        code = 124
+    result = subprocess.CompletedProcess(cmd, code, out, err)
+    if "APPLICATION TIMED OUT" in out + err:
+        result.returncode = result.returncode or 124  # Hydra's watchdog fired but may have exited 0
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{out}\n{err}")
+    return result
+
+
+def end_group(proc: subprocess.Popen, grace: float = 5.0) -> tuple[str, str]:
+    """End a process started with ``start_new_session=True`` and everything in its group:
+    SIGTERM (Hydra forwards it and cleans up), then SIGKILL for whatever is left.
+    Returns what it wrote."""
+    out = err = None
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        _signal_group(proc, sig)
+        try:
+            out, err = proc.communicate(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _signal_group(proc, signal.SIGKILL)  # members that outlived the leader
+    if out is None:  # the pipes are held open by a process outside the group
+        proc.kill()
+        proc.wait()
+        return "", "(output lost: a process outside the group kept the pipes open)"
+    return out or "", err or ""
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def venv_env() -> dict:

@@ -9,8 +9,8 @@
 * compose.yaml's ssh-less launch scripts are run for real on simulated hosts
   with scripts/cluster-sim (skips where cluster-sim exits 77);
 * scripts/docker-rehearse (a real `pip install .` in a throwaway venv, then the
-  image's command) runs only with GCLIP_DOCKER_REHEARSE=1: it needs the package
-  index and the demo.
+  image's command) runs on Linux, the image's system: it needs the package index
+  (as the README's install does) and takes seconds to a few minutes.
 """
 
 from __future__ import annotations
@@ -387,9 +387,9 @@ def test_docker_rehearse_script_is_valid_bash():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # a cold pip cache downloads numpy, mpi4py and the mpich wheel
 @pytest.mark.skipif(
-    os.environ.get("GCLIP_DOCKER_REHEARSE") != "1",
-    reason="set GCLIP_DOCKER_REHEARSE=1 to pip-install the project in a throwaway venv",
+    not sys.platform.startswith("linux"), reason="the image is Linux: its steps are rehearsed on Linux"
 )
 def test_docker_rehearse_runs_the_image_steps():
     res = subprocess.run(

@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import time
 from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -42,7 +43,10 @@ class Hung(BaseException):
 
 @contextlib.contextmanager
 def watchdog(seconds: float = WATCHDOG) -> Iterator[None]:
-    """Interrupt the block if it runs longer than ``seconds`` (SIGALRM, main thread)."""
+    """Interrupt the block if it runs longer than ``seconds`` (SIGALRM, main thread).
+
+    pytest-timeout's per-test limit uses the same timer: it is put back afterwards with
+    the time it had left (at least a moment, so a limit that fell due in the block fires)."""
 
     def hung(signum, frame):
         raise Hung(f"still running after {seconds} s")
@@ -51,12 +55,15 @@ def watchdog(seconds: float = WATCHDOG) -> Iterator[None]:
         yield
         return
     previous = signal.signal(signal.SIGALRM, hung)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 def _real(x: Any) -> bool:
@@ -172,9 +179,11 @@ def calls(draw) -> dict:
 
 def _layout_ok(given: Any, out: Any) -> str:
     """'' if ``out`` has the layout and dtypes of ``given``, else why not."""
-    if isinstance(given, (list, tuple)):
-        if not isinstance(out, list) or len(out) != len(given):
-            return f"expected a list of {len(given)}, got {type(out).__name__}"
+    if isinstance(given, (set, frozenset)):  # any other iterable: its items, as a list
+        given = list(given)
+    if isinstance(given, (list, tuple)):  # the layout given: a tuple stays a tuple
+        if type(out) is not type(given) or len(out) != len(given):
+            return f"expected a {type(given).__name__} of {len(given)}, got {type(out).__name__}"
         pairs = list(zip(given, out))
     else:
         pairs = [(given, out)]
@@ -208,7 +217,19 @@ def _unchanged(snap: list) -> bool:
 
 @FUZZ
 @given(call=calls())
+@example(
+    call={
+        "max_norm": 0.0,
+        "norm_type": 2.0,
+        "mode": "global",
+        "reproducible": False,
+        "error_if_nonfinite": False,
+        "replicated": None,
+        "ranks": [set()],  # an iterable that is neither a list nor a tuple: a list comes back
+    }
+)
 def test_clip_simulated_returns_or_raises_a_gclip_error(call):
+    call = dict(call)  # an explicit example is the same dict each time
     ranks, max_norm, mode = call.pop("ranks"), call.pop("max_norm"), call["mode"]
     error_if_nonfinite = call["error_if_nonfinite"]
     snap = _snapshot(ranks)
@@ -413,3 +434,16 @@ def test_checked_settings_are_not_reused_for_a_lookalike(good, bad):
     assert gclip.clip_simulated([x], good)[0].total_norm == 5.0
     with pytest.raises(GclipError, match="max_norm must be a number"):
         gclip.clip_simulated([x], bad)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no interval timers here")
+def test_watchdog_gives_the_per_test_limit_back():
+    # pytest-timeout (the suite's per-test limit) arms the same timer as the watchdog
+    left, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert left > 0, "no per-test limit is armed (pytest-timeout with timeout_method = signal)"
+    handler = signal.getsignal(signal.SIGALRM)
+    with watchdog():
+        pass
+    after, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert 0 < after <= left
+    assert signal.getsignal(signal.SIGALRM) is handler

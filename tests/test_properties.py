@@ -1,4 +1,4 @@
-"""Property tests on simulated ranks: any layout, the same answer as the contract."""
+"""Property tests on simulated ranks: any layout, the answer of the contract computed exactly."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import gclip
 from gclip.contract import rounded
+from oracles import contract_values, follows_contract
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -42,11 +43,23 @@ def exact_norm(values) -> float:
 
 
 @SETTINGS
-@given(layouts())
-def test_reproducible_simulated_equals_the_contract_bit_for_bit(case):
+@given(layouts(), st.booleans())
+def test_simulated_ranks_follow_the_contract_computed_exactly(case, reproducible):
+    """Rounded to 12 decimals, every clipped value is the contract's (exact arithmetic, the
+    rule written in tests/oracles.py, not gclip's code), in both modes."""
     _, shards, limit = case
-    results = gclip.clip_simulated([np.array(s, dtype=float) for s in shards], limit, reproducible=True)
-    assert [rounded(r.grads) for r in results] == gclip.clip_shards(shards, limit)
+    ranks = [np.array(s, dtype=float) for s in shards]
+    results = gclip.clip_simulated(ranks, limit, reproducible=reproducible)
+    why = follows_contract([rounded(r.grads) for r in results], contract_values(shards, limit))
+    assert not why, why
+
+
+@SETTINGS
+@given(layouts())
+def test_the_seed_contract_follows_the_contract_computed_exactly(case):
+    _, shards, limit = case
+    why = follows_contract(gclip.clip_shards(shards, limit), contract_values(shards, limit))
+    assert not why, why
 
 
 @SETTINGS

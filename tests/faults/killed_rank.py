@@ -13,8 +13,9 @@ here is a small supervisor (as torchrun's agent is) that forks the MPI worker
 before MPI starts and waits for it: if the worker dies by a signal, the
 supervisor, still alive, prints one line naming the rank, then dies of the
 same signal so the launcher sees what it would have seen. A worker whose
-supervisor is killed (the launcher's cleanup) dies with it (Linux
-``PR_SET_PDEATHSIG``), so nothing is left behind.
+supervisor is killed (the launcher's cleanup) dies with it: a thread of the
+worker watches its parent pid and kills the worker when the supervisor is
+gone (portable: Linux and macOS), so nothing is left behind.
 
 With ``--victim -1`` nobody dies and rank 0 prints ``finished``.
 """
@@ -22,12 +23,13 @@ With ``--victim -1`` nobody dies and rank 0 prints ``finished``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
-PR_SET_PDEATHSIG = 1
+ORPHAN_POLL = 0.05  # seconds between the worker's looks at its parent
 
 
 def _args() -> argparse.Namespace:
@@ -57,11 +59,17 @@ def _work(args: argparse.Namespace) -> int:
 
 
 def _die_with(parent: int) -> None:
-    """Be killed when the supervisor is (Linux); exit if it is already gone."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
+    """Be killed when the supervisor is: once it is gone the worker is re-parented
+    (its parent pid changes), which a daemon thread notices within ORPHAN_POLL.
+    mpi4py releases the GIL inside MPI calls, so the thread runs even while the
+    worker waits in an all-reduce that can never complete."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_POLL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 def main() -> int:
