@@ -63,7 +63,7 @@ def scale(value: Any) -> float:
     s = _scalar(value, "scale")
     if not math.isfinite(s) or s < 0:
         raise GclipValueError(f"scale must be finite and >= 0, got {s!r}")
-    return s
+    return s + 0.0  # -0.0 becomes 0.0: multiplying by -0.0 would flip the sign of zeros
 
 
 def norm_type(value: Any) -> float:
@@ -194,28 +194,24 @@ def _array(g: Any, where: str, inplace: bool) -> np.ndarray:
 def _unaliased(items: Sequence[Any], arrays: list[np.ndarray], container: type) -> Grads:
     """Drop repeats of one array; refuse arrays that overlap only in part.
 
-    Two arrays can share memory only if they view one buffer, so only arrays
-    with a common base (or the very same object given twice) are compared:
-    the usual list of separately allocated gradients costs one pass.
+    Arrays that each own their memory cannot overlap one another, so the usual
+    list of separately allocated gradients costs one pass over ``base``. Once
+    any array is a view (of a numpy array, a memoryview, a tensor...), every
+    array's memory span is compared: whatever wrapper leads to a buffer, its
+    address tells.
     """
     n = len(arrays)
-    by_id: dict[int, int] = {}
-    by_base: dict[int, list[int]] = {}
-    repeats = False
-    for i, (item, a) in enumerate(zip(items, arrays)):
-        if by_id.setdefault(id(item), i) != i:
-            repeats = True
-            continue
-        by_base.setdefault(_owner(a), []).append(i)
+    first_of: dict[int, int] = {}
     same: dict[int, int] = {}  # a later duplicate -> the first of its kind
-    if repeats:
-        for i, item in enumerate(items):
-            first = by_id[id(item)]
-            if first != i:
-                same[i] = first
-    for members in by_base.values():
-        if len(members) > 1:
-            same.update(_overlaps(arrays, members))
+    views = False
+    for i, (item, a) in enumerate(zip(items, arrays)):
+        first = first_of.setdefault(id(item), i)
+        if first != i:
+            same[i] = first
+        elif a.base is not None:
+            views = True
+    if views:
+        same.update(_overlaps(arrays, [i for i in range(n) if i not in same]))
     if not same:
         return Grads(arrays, None, container)
     unique: list[np.ndarray] = []
@@ -230,20 +226,6 @@ def _unaliased(items: Sequence[Any], arrays: list[np.ndarray], container: type) 
             unique.append(arrays[first])
         slots.append(position[first])
     return Grads(unique, tuple(slots), container)
-
-
-def _owner(a: np.ndarray) -> int:
-    """A key shared by arrays that may view the same memory.
-
-    numpy views lead back to the array that owns the memory. Memory owned by
-    something else (a memoryview, a torch tensor) may be reached through
-    different wrapper objects, so all such arrays share one key and are
-    compared by address.
-    """
-    base: Any = a
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return id(base) if isinstance(base, np.ndarray) else 0
 
 
 def _overlaps(arrays: Sequence[np.ndarray], members: Sequence[int]) -> dict[int, int]:

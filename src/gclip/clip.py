@@ -349,10 +349,11 @@ def _multiply(src: np.ndarray, scale: float, dst: np.ndarray) -> None:
     """dst = src * scale in src's dtype, one pass, no full-size temporary.
 
     float64: the plain product. float32: the scale rounded toward zero to
-    float32 (never up, so rounding the scale cannot lift the clipped norm above
-    the limit), then one float32 multiply: within 1 ulp of the exact product.
-    float16: computed in float64 and rounded once (an 11-bit scale would be off
-    by up to 5e-4).
+    float32, then one float32 multiply: the scale's rounding never lifts a
+    value, so each result is at most half an ulp above the exact product (the
+    product's own rounding) and less than 2**-23 + 2**-24 below it, relative;
+    the clipped norm is at most limit * (1 + 2**-24). float16: computed in
+    float64 and rounded once (an 11-bit scale would be off by up to 5e-4).
     """
     if src.dtype.itemsize == 8:
         np.multiply(src, scale, out=dst)
