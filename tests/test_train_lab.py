@@ -1,15 +1,14 @@
 """The trainer's report says what it means: the norms named per mode, the true global norm beside the
 norm a bug used, the steps above the limit counted, and why a buggy run can end lower; --ranks R.
 
-The oracle is a plain numpy replay of the training (the model's loss and
-gradient, sliced by hand, each rank's own copy of the bias), never the
-trainer's loop or report.
+The oracle is a plain numpy replay of the training (train_replay: the model's
+loss and gradient, sliced by hand, each rank's own copy of the bias), never
+the trainer's loop or report.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -18,8 +17,8 @@ from functools import cache
 import numpy as np
 import pytest
 
+import train_replay
 from conftest import mpirun, venv_env
-from gclip import train
 
 STEPS = 60
 LIMIT = 0.05
@@ -46,36 +45,8 @@ def sim_json(*args: str) -> dict:
     return json.loads(lines[0])
 
 
-@cache
 def replay(ranks: int, mode: str) -> dict:
-    """The training by hand: each rank its slice of the weights and its own copy of the bias."""
-    x, y = train.make_data(0)
-    flat, b2 = train.init_params(0)
-    n = flat.size
-    cuts = [slice(n * r // ranks, n * (r + 1) // ranks) for r in range(ranks)]
-    assert [c.stop - c.start for c in cuts] == [n // ranks] * ranks  # 96 weights split evenly
-    copies = [b2.copy() for _ in range(ranks)]
-    out = {"losses": [], "used": [], "true": [], "update": [], "scaled": []}
-    for _ in range(STEPS):
-        views = [train.loss_and_grad(flat, c, x, y) for c in copies]
-        shards = [views[r][1][cuts[r]] for r in range(ranks)]
-        biases = [v[2] for v in views]
-        true = math.sqrt(sum(float(s @ s) for s in shards) + float(biases[0] @ biases[0]))
-        if mode == "global":
-            used = [true] * ranks
-        else:  # per-rank: its own slice and its own copy of the bias
-            used = [math.sqrt(float(s @ s) + float(b @ b)) for s, b in zip(shards, biases)]
-        scales = [min(1.0, LIMIT / u) for u in used]
-        update = np.concatenate([s * k for s, k in zip(shards, scales)] + [biases[0] * scales[0]])
-        out["losses"].append(views[0][0])
-        out["used"].append(used)
-        out["true"].append(true)
-        out["update"].append(float(np.linalg.norm(update)))
-        out["scaled"].append(sum(k < 1 for k in scales))
-        for r in range(ranks):
-            flat[cuts[r]] -= scales[r] * shards[r]
-            copies[r] = copies[r] - scales[r] * biases[r]
-    return out
+    return train_replay.replay(ranks, mode, STEPS, LIMIT)
 
 
 @pytest.mark.parametrize("mode", ["global", "per-rank"])
