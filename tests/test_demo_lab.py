@@ -314,3 +314,29 @@ def test_a_mystery_plot_names_no_bug(tmp_path):
         plots.lines = original
     assert "per-rank" not in seen and "bug (mystery 4)" in seen
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------
+# pytest-mpi: the demo on the real ranks of this job gives what --ranks R simulates
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "argv", [["--buggy"], ["--mystery", "5"], ["--seed", "3", "--buggy", "rms"]], ids=str
+)
+def test_real_ranks_match_simulated_ranks(argv):
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        command._main(["--json", *argv], comm)  # rank 0 prints
+    real = comm.bcast(json.loads(buf.getvalue()) if comm.Get_rank() == 0 else None, root=0)
+    sim = json_here("--ranks", str(comm.Get_size()), *argv)
+    problems = []
+    for key in ("true_global_norm", "norms_used", "scales", "clipped_norm", "max_abs_error"):
+        if sim[key] != pytest.approx(real[key], rel=1e-12, abs=1e-300):
+            problems.append(key)
+    verdicts = comm.allgather(problems)  # every rank agrees before asserting: no rank left waiting
+    assert verdicts == [[]] * comm.Get_size(), verdicts
+    assert real["simulated"] is False and sim["simulated"] is True
