@@ -139,7 +139,7 @@ def test_a_correct_implementation_passes(tmp_path):
     assert out["passed"] is True
     assert out["fingerprint"] is None
     assert out["failures"] == []
-    assert out["checks"] >= 35 + 60  # the seed's 7 checks for N = 1..5, and the random layouts
+    assert out["checks"] >= 35 + 60  # the contract's 7 checks for N = 1..5, and the random layouts
 
 
 def test_text_verdict_of_a_correct_implementation(tmp_path):
@@ -157,11 +157,11 @@ def test_the_seed_implementations_are_fingerprinted(tmp_path, which, bug):
     assert out["passed"] is False
     assert out["fingerprint"] == bug
     assert out["fingerprint_scores"][bug] == 1.0
-    # the judge saw what the seed record's own run of that code saw, for N = 1..5
+    # the judge saw what the original incident report's own run of that code saw, for N = 1..5
     failures = {f["check"]: f for f in out["failures"]}
     for n in range(1, 6):
         for label, actual, expected in seed_oracle.observations(which, n):
-            key = f"seed N={n}: {label}"
+            key = f"contract N={n}: {label}"
             if actual == expected:
                 assert key not in failures
             else:
@@ -316,7 +316,7 @@ def test_random_cases_cover_every_knob_of_the_contract():
     cases = conformance.make_cases(300, seed=1)
     random_cases = [c for c in cases if c.label.startswith("random")]
     assert len(random_cases) == 300
-    assert len([c for c in cases if c.label.startswith("seed")]) == 35
+    assert len([c for c in cases if c.label.startswith("contract")]) == 35
 
     def norm(case):
         return math.sqrt(math.fsum(v * v for s in case.shards for v in s))

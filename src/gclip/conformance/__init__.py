@@ -1,29 +1,33 @@
-"""The conformance judge: does a third-party ``(shards, limit) -> shards`` keep the seed contract?
+"""The conformance judge: does someone's gradient clipping keep the contract?
 
 usage:: python -m gclip.conformance FILE.py:FUNC [--random 200] [--seed 0] [--timeout 5] [--json]
-        python -m gclip.conformance package.module:func ...
+        python -m gclip.conformance FILE.py:FUNC --ranks R [--torch]
+        python -m gclip.conformance FILE.py:FUNC --layout pp=2,dp=2,tp=2
 
-It runs the seed record's seven checks for N = 1..5, a few edge cases and many
-seeded random layouts (empty shards, uneven widths, zero limits, gradients
-below and above the limit, 0 to 8 shards) against gclip's reference
-``gclip.clip_shards``, and prints a verdict. When the implementation fails,
-the judge names the gallery bug whose outputs it reproduces (its
-*fingerprint*), by running every bug of ``gclip.strategies`` on the same
-cases with one simulated rank per shard.
+Single process (no ``--ranks``): ``FUNC(shards, limit) -> shards`` runs in a
+worker process, one call at a time under ``--timeout``, on the contract's
+seven checks for N = 1..5, edge cases and seeded random layouts, against
+``gclip.clip_shards``.
 
-The implementation runs in a worker process, one call at a time, each under
-``--timeout``: a call that raises, hangs, crashes the process or calls
-``sys.exit`` is judged as a failure, never taken for the judge's own. The
-judge is a single process and needs no MPI. Its entry point is the lab's
-(``gclip._lab.cli.entry``) with one difference: its exit 1 means "fails the
-contract", so its own faults exit 3 instead of aborting an MPI job.
+Distributed (``--ranks R``): ``FUNC(grads, max_norm, comm)`` runs on every rank
+of an MPI job the judge starts and watches itself (``job``, ``rank``), on
+cases spread over the ranks (``spread``), with a communicator that records
+every collective entered (``recorder``); a case that does not finish names
+its ranks (``hangs``) and the judge goes on with a fresh job. ``--torch``
+passes torch parameters and a gloo group; ``--layout`` the lab's model over a
+mesh (``layout_cases``). The expected outputs, and each gallery bug's, come
+from gclip on simulated ranks holding the very same inputs (``dverdict``).
 
-Exit status: 0 pass, 1 fail, 2 usage error (bad spec, missing file or
-function, a file that cannot be loaded), 3 an internal error of the judge.
+Both verdicts name the gallery bug an implementation reproduces (its
+*fingerprint*), grade near misses (torch's epsilon, float32 arithmetic) with
+their size, and show the scale each shard or rank applied and the norm that
+implies (``implied``). ``gclip.testing`` runs the distributed checks inside a
+user's own MPI tests (``inprocess``) and diagnoses a real training step
+(``diagnosis``).
 
-The parts: ``cases`` (what is tried), ``target`` (what is judged),
-``worker`` (the process the implementation runs in), ``verdict`` (the
-checks and the fingerprint), ``report`` (text and JSON), ``command``.
+Exit status: 0 pass, 1 fail (a near miss too), 2 usage error (bad spec,
+missing file or function, a file that cannot be loaded, started under
+mpirun), 3 an internal error of the judge.
 """
 
 from .cases import Case, make_cases

@@ -1,4 +1,4 @@
-"""The cases: the seed's checks for N = 1..5, edge cases, and seeded random layouts."""
+"""The cases: the contract's checks for N = 1..5, edge cases, and seeded random layouts."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ class Case(NamedTuple):
     label: str
     shards: list[list[float]]
     limit: float
-    exact: bool  # the seed's checks compare with ==, as the record does
+    exact: bool  # the contract's checks compare with ==, as the original incident report does
 
 
 def make_cases(count: int, seed: int) -> list[Case]:
-    """The seed's checks for N = 1..5, the edge cases, then ``count`` random layouts."""
+    """The contract's checks for N = 1..5, the edge cases, then ``count`` random layouts."""
     cases = [
-        Case(f"seed N={n}: {c.label}", c.shards, c.limit, True) for n in range(1, 6) for c in seed_checks(n)
+        Case(f"contract N={n}: {c.label}", c.shards, c.limit, True)
+        for n in range(1, 6)
+        for c in seed_checks(n)
     ]
     cases += _edge_cases()
     rng = random.Random(seed)

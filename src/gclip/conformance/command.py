@@ -1,8 +1,15 @@
-"""The judge's command: ``python -m gclip.conformance TARGET [--random N] [--seed S] [--timeout T] [--json]``.
+"""The judge's command: ``python -m gclip.conformance TARGET [--ranks R [--torch] | --layout L] ...``.
 
-Exit status: 0 pass, 1 fail, 2 usage error, 3 the judge's own fault. The
-judge is one process (no MPI job to abort) and its exit 1 means "fails the
-contract", so its own faults exit 3, in one line (``internal_error``).
+Without ``--ranks`` it judges a single-process ``(shards, limit)`` function;
+with it, a distributed ``(grads, max_norm, comm)`` function on a job of R
+ranks that the judge starts and watches itself (``--torch``: parameters and
+a gloo group; ``--layout``: the lab's model over a mesh).
+
+Exit status: 0 pass, 1 fail (a near miss too), 2 usage error, 3 the judge's
+own fault. The judge is one process (no MPI job to abort) and its exit 1
+means "fails the contract", so its own faults exit 3, in one line
+(``internal_error``). Started as several processes (under mpirun) it
+refuses, in one line, before doing anything: it starts its own job.
 """
 
 from __future__ import annotations
@@ -11,21 +18,37 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from .._lab.cli import ArgParser, entry, internal_error
+from .. import _validate
+from .._lab.cli import ArgParser, UsageError, entry, internal_error
 from .._lab.jsonout import dumps
+from . import dreport
 from .report import as_json, report
 from .target import parse_target
 from .verdict import judge
 
-__all__ = ["DESCRIPTION", "MAX_RANDOM", "MAX_TIMEOUT", "PROG", "main"]
+__all__ = [
+    "DEFAULT_RANDOM",
+    "DEFAULT_RANDOM_LAYOUT",
+    "DESCRIPTION",
+    "MAX_RANDOM",
+    "MAX_RANKS",
+    "MAX_TIMEOUT",
+    "PROG",
+    "main",
+]
 
 PROG = "gclip.conformance"
 DESCRIPTION = (
-    "The conformance judge: does a third-party ``(shards, limit) -> shards`` keep the seed contract?"
+    "The conformance judge: does your gradient clipping keep the contract? A single-process "
+    "(shards, limit) function, or with --ranks a distributed (grads, max_norm, comm) one."
 )
 MAX_RANDOM = 100_000
 MAX_TIMEOUT = 3600.0
+MAX_RANKS = 64
+DEFAULT_RANDOM = 200
+DEFAULT_RANDOM_LAYOUT = 20  # each layout case is the whole model, on every rank
 
 
 def _nonneg_int(text: str) -> int:
@@ -48,29 +71,111 @@ def _timeout(text: str) -> float:
 _timeout.__name__ = "timeout (seconds, > 0)"
 
 
+def _ranks(text: str) -> int:
+    value = int(text)
+    if not 2 <= value <= MAX_RANKS:
+        raise ValueError(text)
+    return value
+
+
+_ranks.__name__ = "rank count (2..64)"
+
+
 def _parser() -> ArgParser:
     p = ArgParser(prog=PROG, description=DESCRIPTION)
-    p.add_argument("target", help="FILE.py:FUNC or package.module:func, a function (shards, limit) -> shards")
-    p.add_argument("--random", type=_nonneg_int, default=200, help="random layouts to try (default 200)")
+    p.add_argument(
+        "target",
+        help="FILE.py:FUNC or package.module:func: (shards, limit) -> shards, or with --ranks "
+        "(grads, max_norm, comm) -> clipped list or None",
+    )
+    p.add_argument(
+        "--random",
+        type=_nonneg_int,
+        default=None,
+        help=f"random layouts to try (default {DEFAULT_RANDOM}; {DEFAULT_RANDOM_LAYOUT} with --layout)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random layouts (default 0)")
-    p.add_argument("--timeout", type=_timeout, default=5.0, help="seconds per call (default 5)")
+    p.add_argument("--timeout", type=_timeout, default=5.0, help="seconds per call or case (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text verdict")
+    p.add_argument("--ranks", type=_ranks, help="judge a distributed function on a job of R >= 2 ranks")
+    p.add_argument(
+        "--torch",
+        action="store_true",
+        help="FUNC(parameters, max_norm, group) on a torch.distributed gloo group",
+    )
+    p.add_argument(
+        "--layout",
+        help="e.g. pp=2,dp=2,tp=2: FUNC(grads, max_norm, comm, mesh, replicated) on the lab's model",
+    )
     return p
+
+
+def _refuse_launcher() -> None:
+    """Under mpirun every rank would judge and print: the judge starts its own job instead."""
+    launched = _validate.launched_size()
+    if launched is not None:
+        n, why = launched
+        raise UsageError(
+            f"started as one of {n} processes ({why}): the judge launches its own MPI job; "
+            f"run it as one process: python -m gclip.conformance TARGET --ranks {max(n, 2)}"
+        )
+
+
+def _distributed(args: Any) -> tuple[bool, str]:
+    from .distributed import judge_distributed
+    from .layout_cases import parse_layout
+
+    layout = None
+    if args.layout is not None:
+        if args.torch:
+            raise UsageError("--layout and --torch cannot be combined (the layout's mesh is mpi4py's)")
+        layout = parse_layout(args.layout)
+        size = math.prod(layout.values())
+        if args.ranks is not None and args.ranks != size:
+            raise UsageError(f"--layout {args.layout} is {size} ranks, but --ranks says {args.ranks}")
+        if size < 2:
+            raise UsageError(f"--layout {args.layout} is one rank: a distributed judge needs 2 or more")
+    elif args.ranks is None:
+        raise UsageError("--torch needs --ranks R (R >= 2)")
+    target = parse_target(args.target)
+    size = args.ranks or math.prod((layout or {}).values())
+    if args.torch:
+        try:
+            import torch.distributed  # noqa: F401 - only to say so now, not on every rank
+        except ImportError:
+            raise UsageError("--torch needs PyTorch (pip install torch)") from None
+    verdict = judge_distributed(
+        target, size, count=args.random, seed=args.seed, timeout=args.timeout, torch=args.torch, layout=layout
+    )
+    mode = "layout" if layout else "torch" if args.torch else "numpy"
+    if args.json:
+        data = dreport.as_json(
+            verdict, mode=mode, layout=layout, count=args.random, seed=args.seed, timeout=args.timeout
+        )
+        return verdict.passed, dumps(data)
+    return verdict.passed, "\n".join(dreport.report(verdict, mode=mode, layout=layout, seed=args.seed))
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
-    target = parse_target(args.target)
-    verdict = judge(target, args.random, args.seed, args.timeout)
-    if args.json:
-        text = dumps(as_json(verdict, args.random, args.seed, args.timeout))
+    _refuse_launcher()
+    if args.random is None:
+        args.random = DEFAULT_RANDOM_LAYOUT if args.layout is not None else DEFAULT_RANDOM
+    if args.ranks is not None or args.torch or args.layout is not None:
+        passed, text = _distributed(args)
     else:
-        text = "\n".join(report(verdict, args.random, args.seed))
+        target = parse_target(args.target)
+        verdict = judge(target, args.random, args.seed, args.timeout)
+        passed = verdict.passed
+        if args.json:
+            text = dumps(as_json(verdict, args.random, args.seed, args.timeout))
+        else:
+            text = "\n".join(report(verdict, args.random, args.seed))
     try:
         print(text, flush=True)
     except BrokenPipeError:  # e.g. piped into `head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0 if verdict.passed else 1
+    return 0 if passed else 1
 
 
 main = entry(PROG, _main, on_fault=internal_error)

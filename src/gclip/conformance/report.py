@@ -1,4 +1,4 @@
-"""The verdict, written: a readable report, or a dict for ``--json``."""
+"""The single-process verdict, written: a readable report, or a dict for ``--json``."""
 
 from __future__ import annotations
 
@@ -6,16 +6,18 @@ from typing import Any
 
 from .._lab.cli import color
 from .._lab.jsonout import dumps
-from ..strategies import STRATEGIES
+from ..strategies import LAYOUT_BUG_NAMES, STRATEGIES
 from .verdict import Verdict
 
-__all__ = ["as_json", "report"]
+__all__ = ["as_json", "fingerprint_lines", "first_failures", "report", "verdict_line"]
 
 
 def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
     return {
         "target": v.target,
         "passed": v.passed,
+        "grade": v.grade,
+        "near_miss": v.near,
         "checks": len(v.cases),
         "failed": len(v.failed),
         "fingerprint": v.fingerprint,
@@ -33,6 +35,7 @@ def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
                 "expected": v.expected[i],
                 "actual": v.outcomes[i].value,
                 "reason": v.reasons[i],
+                "scales": v.hints.get(i, []),
             }
             for i in v.failed
         ],
@@ -44,37 +47,58 @@ def _short(value: Any, width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def verdict_line(grade: str, failed: int, checks: int, fingerprint: str | None, near: str | None) -> str:
+    """'verdict: PASS (242 checks)', 'verdict: NEAR MISS ...' or 'verdict: FAIL ...'."""
+    if grade == "pass":
+        return color(f"verdict: PASS ({checks} checks)", "32")
+    if grade == "near miss":
+        what = f"{fingerprint}, " if fingerprint in STRATEGIES else ""  # a near miss is never a hang
+        return color(f"verdict: NEAR MISS ({what}{failed} of {checks} checks {near})", "33")
+    return color(f"verdict: FAIL ({failed} of {checks} checks failed)", "31")
+
+
+def fingerprint_lines(name: str | None, score: float | None, unknown_hint: str) -> list[str]:
+    """The gallery bug the implementation reproduces, in a learner's words."""
+    bug: Any = STRATEGIES.get(name or "") or LAYOUT_BUG_NAMES.get(name or "")
+    if bug is not None:
+        lines = [f"fingerprint: {bug.name}: {bug.summary}"]
+        if bug.incident:
+            lines.append(f"  seen in: {bug.incident}")
+        lines.append(f"  why it is wrong: {bug.explanation}")
+        if score is not None:
+            lines.append(f"  its outputs match this implementation on {score:.0%} of the answered cases")
+        return lines
+    if name is None:
+        return []
+    return [f"fingerprint: {name} ({unknown_hint})"]
+
+
+def first_failures(shown: int, failed: int) -> str:
+    return "the failure:" if failed == 1 else f"first {min(shown, failed)} failures:"
+
+
 def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
     """The readable verdict, line by line."""
     groups = [
-        ("seed checks (N = 1..5)", "seed"),
+        ("the contract's checks (N = 1..5)", "contract"),
         ("edge cases", "edge"),
         (f"random layouts (seed {seed})", "random"),
     ]
-    lines = [f"gclip.conformance: judging {v.target} against the seed contract"]
+    lines = [f"gclip.conformance: judging {v.target} against the contract"]
     if v.note:
         lines.append(f"  note: {v.note}")
     for title, prefix in groups:
         run = [i for i, c in enumerate(v.cases) if c.label.startswith(prefix)]
         bad = sum(i in v.reasons for i in run)
-        lines.append(f"  {title:<26} {len(run):>4} run  {bad:>4} failed")
+        lines.append(f"  {title:<34} {len(run):>4} run  {bad:>4} failed")
     if v.stopped:
         lines.append(f"  stopped: {v.stopped}")
+    lines.append(verdict_line(v.grade, len(v.failed), len(v.cases), v.fingerprint, v.near))
     if v.passed:
-        lines.append(color(f"verdict: PASS ({len(v.cases)} checks)", "32"))
         return lines
-    lines.append(color(f"verdict: FAIL ({len(v.failed)} of {len(v.cases)} checks failed)", "31"))
-    if v.fingerprint in STRATEGIES:
-        bug = STRATEGIES[v.fingerprint]
-        lines.append(f"fingerprint: {bug.name}: {bug.summary}")
-        lines.append(f"  seen in: {bug.incident}")
-        lines.append(f"  why it is wrong: {bug.explanation}")
-        lines.append(
-            f"  its outputs match this implementation on {v.scores[bug.name]:.0%} of the answered cases"
-        )
-    else:
-        lines.append("fingerprint: unknown (it fails like no bug of the gallery)")
-    lines.append(f"first {min(shown, len(v.failed))} failures:")
+    hint = "it fails like no bug of the gallery: see the scales below"
+    lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
+    lines.append(first_failures(shown, len(v.failed)))
     for i in v.failed[:shown]:
         case, outcome = v.cases[i], v.outcomes[i]
         lines.append(f"  {case.label}")
@@ -83,4 +107,5 @@ def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
         if outcome.value is not None:
             lines.append(f"    actual   {_short(outcome.value)}")
         lines.append(f"    reason   {v.reasons[i]}")
+        lines += [f"    {line}" for line in v.hints.get(i, [])]
     return lines

@@ -1,13 +1,16 @@
-"""What to judge: ``FILE.py:FUNC`` or ``package.module:func``."""
+"""What to judge: ``FILE.py:FUNC`` or ``package.module:func``, and how it is loaded."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
-from typing import NamedTuple
+import sys
+from typing import Any, NamedTuple
 
 from .._lab.cli import UsageError
 
-__all__ = ["Target", "parse_target"]
+__all__ = ["Target", "load", "parse_target"]
 
 
 class Target(NamedTuple):
@@ -35,3 +38,35 @@ def parse_target(spec: str) -> Target:
     if not all(part.isidentifier() for part in where.split(".")):
         raise UsageError(f"bad target {spec!r}: {where!r} is neither a .py file nor a module name")
     return Target("module", where, func)
+
+
+def load(kind: str, where: str, func: str) -> tuple[Any, str | None]:
+    """(the function, a note) in the process that will call it.
+
+    Raises LookupError when the file has no such callable; anything the file
+    itself raises while loading propagates (the caller reports it). A file
+    that calls ``sys.exit()`` while loading (a script that runs its own
+    checks) keeps what it defined, and the note says so.
+    """
+    note = None
+    if kind == "file":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec = importlib.util.spec_from_file_location("__judged__", where)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"not a Python file: {where}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["__judged__"] = module
+        try:
+            spec.loader.exec_module(module)
+        except SystemExit as exc:
+            note = f"the file called sys.exit({exc.code!r}) while loading; judging what it defined"
+    else:
+        module = importlib.import_module(where)
+    fn: Any = module
+    for part in func.split("."):
+        if not hasattr(fn, part):
+            raise LookupError(f"no function {func!r} in {where}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise LookupError(f"{func!r} in {where} is not callable (type {type(fn).__name__})")
+    return fn, note

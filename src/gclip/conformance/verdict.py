@@ -8,19 +8,36 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import strategies
 from ..clip import clip_simulated
 from ..contract import clip_shards, rounded
 from ..strategies import BUGS
+from . import implied
 from .cases import Case, make_cases
 from .target import Target
 from .worker import Outcome, start
 
-__all__ = ["ABS_TOL", "MATCH_SHARE", "MAX_LOST", "REL_TOL", "Verdict", "check", "fingerprint", "judge"]
+__all__ = [
+    "ABS_TOL",
+    "MATCH_SHARE",
+    "MAX_LOST",
+    "NEAR_MISS",
+    "NEAR_MISS_BUGS",
+    "REL_TOL",
+    "Verdict",
+    "check",
+    "fingerprint",
+    "grade",
+    "judge",
+]
 
 ABS_TOL = 1e-11  # the contract rounds to 12 decimals: one flip of the last digit is 1e-12
 REL_TOL = 1e-12  # sums in another order differ by a few ulps, ~1e-15 relative
 MATCH_SHARE = 0.95  # a bug must reproduce this share of the outputs (and of the failures)
 MAX_LOST = 3  # calls that hang or crash the worker before the judge stops calling
+NEAR_MISS = 1e-5  # failures all within this (relative) are a near miss, not a bug of the norm
+NEAR_MISS_BUGS = ("epsilon",)  # gallery bugs that are near misses on all but tiny norms
+SMALL_NORM = 1e-3  # an epsilon of 1e-6 is a near miss only for norms well above it
 
 
 class Verdict(NamedTuple):
@@ -34,6 +51,9 @@ class Verdict(NamedTuple):
     scores: dict[str, float]
     stopped: str | None
     note: str | None
+    grade: str  # "pass", "near miss" or "fail"
+    near: str | None  # a near miss: by how much it misses
+    hints: dict[int, list[str]]  # per failed case: the scale each shard applied, the norm it implies
 
     @property
     def passed(self) -> bool:
@@ -72,7 +92,7 @@ def check(case: Case, expected: list, outcome: Outcome) -> str | None:
         gap, i, j = max(wrong)
         return f"wrong values: {len(wrong)} of {len(pairs)} differ, most at shard {i} item {j} (by {gap:.6g})"
     if case.exact and actual != expected:
-        return "equal only to ~1e-11: the seed's checks compare exactly (round to 12 decimals)"
+        return "equal only to ~1e-11: the contract's checks compare exactly (round to 12 decimals)"
     loose = [(a, i, j) for a, _, i, j in pairs if a != round(a, 12)]
     if loose:
         a, i, j = loose[0]
@@ -131,6 +151,67 @@ def fingerprint(
     return (best[2] if best else "unknown"), scores
 
 
+def _relative_error(actual: list, expected: list) -> float:
+    """The largest difference, relative to the largest expected value of the case."""
+    top = max((abs(b) for row in expected for b in row), default=0.0)
+    gap = max(
+        (
+            abs(a - b) if math.isfinite(a) else math.inf
+            for ra, rb in zip(actual, expected)
+            for a, b in zip(ra, rb)
+        ),
+        default=0.0,
+    )
+    return gap / top if top > 0 else (0.0 if gap == 0 else math.inf)
+
+
+def grade(
+    norms: Sequence[float],
+    errors: Sequence[float | None],
+    failed: Sequence[int],
+    fingerprint_name: str | None,
+    stopped: str | None,
+) -> tuple[str, str | None]:
+    """("pass" | "near miss" | "fail", how near).
+
+    A near miss returns the right layout everywhere and is off by at most
+    NEAR_MISS (relative) wherever it is off, or is a gallery bug that only
+    misses by an epsilon (then tiny norms, where the epsilon dominates, may be
+    far off: they are counted apart). ``errors[i]`` is None when case i gave
+    no value of the right layout; ``norms[i]`` is the case's global norm.
+    """
+    if not failed and stopped is None:
+        return "pass", None
+    if stopped is not None or any(errors[i] is None for i in failed):
+        return "fail", None
+    worst = max(errors[i] or 0.0 for i in failed)
+    if worst > NEAR_MISS and fingerprint_name not in NEAR_MISS_BUGS:
+        return "fail", None
+    sized = [errors[i] or 0.0 for i in failed if norms[i] >= SMALL_NORM] or [worst]
+    tiny = [i for i in failed if norms[i] < SMALL_NORM and (errors[i] or 0.0) > max(sized)]
+    how = f"off by at most {max(sized):.2g} relative"
+    if tiny:
+        few = f"{len(tiny)} check{'s' * (len(tiny) != 1)}"
+        how += f"; on {few} with a norm below {SMALL_NORM:g} by up to {worst:.2g}"
+    return "near miss", how
+
+
+def _hints(case: Case, actual: list, limit: float) -> list[str]:
+    """The scale each shard applied and the norm it implies, against the expected ones."""
+    before = [np.asarray(s, dtype=np.float64) for s in case.shards]
+    after = [np.asarray(s, dtype=np.float64) for s in actual]
+    units = [implied.applied([b], [a], REL_TOL, ABS_TOL) for b, a in zip(before, after)]
+    tops = [u.top for u in units if u.scale is not None]
+    if not tops:
+        return []
+    sumsq = [math.fsum(float(v) ** 2 for v in s) for s in case.shards]
+    norm = math.sqrt(math.fsum(sumsq))
+    expected = strategies.GLOBAL.scale(norm, limit)
+    rtol = max(implied.SAME, 10 * ABS_TOL / min(tops))  # rounding to 12 decimals blurs small shards
+    counts = [len(s) for s in case.shards]
+    return implied.unit_lines("shard", units, sumsq, counts, limit, expected, norm, rtol)
+
+
 def judge(target: Target, count: int = 200, seed: int = 0, timeout: float = 5.0) -> Verdict:
     """Run every case through the implementation and compare with ``gclip.clip_shards``."""
     cases = make_cases(count, seed)
@@ -163,4 +244,29 @@ def judge(target: Target, count: int = 200, seed: int = 0, timeout: float = 5.0)
     name, scores = fingerprint(cases, expected, outcomes, failed)
     if stopped and name is None:
         name = "unknown"
-    return Verdict(str(target), cases, outcomes, expected, failed, reasons, name, scores, stopped, note)
+    errors = [
+        _relative_error(o.value, e) if o.value is not None and _layout(o.value) == _layout(e) else None
+        for o, e in zip(outcomes, expected)
+    ]
+    norms = [math.sqrt(math.fsum(float(v) ** 2 for s in c.shards for v in s)) for c in cases]
+    level, near = grade(norms, errors, failed, name, stopped)
+    hints = {
+        i: _hints(cases[i], outcomes[i].value, cases[i].limit)
+        for i in failed
+        if errors[i] is not None and errors[i] > 0
+    }
+    return Verdict(
+        str(target),
+        cases,
+        outcomes,
+        expected,
+        failed,
+        reasons,
+        name,
+        scores,
+        stopped,
+        note,
+        level,
+        near,
+        hints,
+    )

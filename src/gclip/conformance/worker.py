@@ -10,6 +10,7 @@ dies is killed with its whole process group.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import select
 import signal
@@ -18,22 +19,20 @@ import sys
 import time
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .._lab.cli import UsageError
 from .._lab.jsonout import dumps
 from ..errors import exception_line
-from .target import Target
+from .target import Target, load
 
-__all__ = ["MESSAGE_LIMIT", "Outcome", "Worker", "serve", "start"]
+__all__ = ["MESSAGE_LIMIT", "Outcome", "Worker", "rows_of", "serve", "start"]
 
 MESSAGE_LIMIT = 200  # characters of an exception's line kept in a verdict
 
 
 def serve() -> None:
     """Worker main: load the target, then answer one JSON call per line."""
-    import importlib
-    import importlib.util
-    import numbers
-
     proto_in = os.fdopen(os.dup(0), "r")
     proto_out = os.fdopen(os.dup(1), "w")
     quiet = os.open(os.devnull, os.O_RDWR)
@@ -45,29 +44,8 @@ def serve() -> None:
         proto_out.flush()
 
     kind, target, func = sys.argv[1:4]
-    note = None
     try:
-        if kind == "file":
-            folder = os.path.dirname(os.path.abspath(target))
-            sys.path.insert(0, folder)
-            spec = importlib.util.spec_from_file_location("__judged__", target)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"not a Python file: {target}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["__judged__"] = module
-            try:
-                spec.loader.exec_module(module)
-            except SystemExit as exc:  # e.g. the seed's scripts: checks, then exit
-                note = f"the file called sys.exit({exc.code!r}) while loading; judging what it defined"
-        else:
-            module = importlib.import_module(target)
-        fn: Any = module
-        for part in func.split("."):
-            if not hasattr(fn, part):
-                raise LookupError(f"no function {func!r} in {target}")
-            fn = getattr(fn, part)
-        if not callable(fn):
-            raise LookupError(f"{func!r} in {target} is not callable (type {type(fn).__name__})")
+        fn, note = load(kind, target, func)
     except LookupError as exc:
         send({"usage": str(exc)})
         return
@@ -76,24 +54,6 @@ def serve() -> None:
         return
     send({"loaded": True, "note": note})
 
-    def shape(value: Any) -> tuple[list | None, str | None]:
-        if not isinstance(value, (list, tuple)):
-            return None, f"returned {type(value).__name__}, not a list of lists of numbers"
-        rows = []
-        for i, shard in enumerate(value):
-            if not isinstance(shard, (list, tuple)):
-                return None, f"returned shard {i} as {type(shard).__name__}, not a list of numbers"
-            row = []
-            for j, v in enumerate(shard):
-                if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                    return None, f"returned shard {i} item {j} as {type(v).__name__}, not a number"
-                try:
-                    row.append(float(v))
-                except (OverflowError, ValueError) as exc:
-                    return None, f"shard {i} item {j}: {exc}"
-            rows.append(row)
-        return rows, None
-
     for line in proto_in:
         request = json.loads(line)
         try:
@@ -101,8 +61,39 @@ def serve() -> None:
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
             send({"raised": exception_line(exc, limit=MESSAGE_LIMIT)})
             continue
-        rows, why = shape(value)
+        rows, why = rows_of(value)
         send({"value": rows} if why is None else {"bad": why})
+
+
+def _sequence(value: Any) -> bool:
+    """A list, a tuple, a numpy array or the like: not a string, a dict or a number."""
+    if isinstance(value, (str, bytes, dict)) or getattr(value, "ndim", 1) == 0:
+        return False
+    return hasattr(value, "__len__") and hasattr(value, "__iter__")
+
+
+def rows_of(value: Any) -> tuple[list | None, str | None]:
+    """The returned shards as lists of floats, or why they are not shards.
+
+    Lists, tuples and numpy arrays are all accepted, at either level: a
+    numpy version that returns arrays returns the same layout.
+    """
+    if not _sequence(value):
+        return None, f"returned {type(value).__name__}, not a list of shards (lists or arrays of numbers)"
+    rows = []
+    for i, shard in enumerate(value):
+        if not _sequence(shard):
+            return None, f"returned shard {i} as {type(shard).__name__}, not a list of numbers (nor an array)"
+        row = []
+        for j, v in enumerate(shard):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+                return None, f"returned shard {i} item {j} as {type(v).__name__}, not a number"
+            try:
+                row.append(float(v))
+            except (OverflowError, ValueError) as exc:
+                return None, f"shard {i} item {j}: {exc}"
+        rows.append(row)
+    return rows, None
 
 
 class Outcome(NamedTuple):

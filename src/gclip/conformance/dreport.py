@@ -1,0 +1,129 @@
+"""The distributed verdict, written: a readable report naming ranks, or a dict for ``--json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .dverdict import DistVerdict
+from .report import fingerprint_lines, first_failures, verdict_line
+from .spread import GROUPS
+
+__all__ = ["as_json", "report"]
+
+MAX_VALUES = 2000  # a failure lists its arrays' values up to this many per case (the model's are many)
+
+
+def _mode_words(mode: str, layout: dict[str, int] | None) -> str:
+    if layout:
+        return f" over the layout {','.join(f'{k}={v}' for k, v in layout.items())}"
+    return " with torch.distributed (gloo)" if mode == "torch" else ""
+
+
+def _values(arrays: Any) -> Any:
+    return None if arrays is None else [np.asarray(a, dtype=np.float64).ravel().tolist() for a in arrays]
+
+
+def _outcome_words(run: Any) -> str:
+    if run.kind == "value":
+        return "returned"
+    if run.kind == "raised":
+        return f"raised {run.message}"
+    if run.kind == "bad":
+        return f"returned no clip: {run.message}"
+    return "did not finish"
+
+
+def _rank_json(v: DistVerdict, i: int, r: int, with_values: bool) -> dict:
+    case, run = v.cases[i], v.runs[i].ranks[r]
+    out = {
+        "rank": r,
+        "outcome": _outcome_words(run),
+        "collectives": list(run.ops),
+        "shapes": [list(a.shape) for a in case.ranks[r]],
+        "dtypes": [a.dtype.name for a in case.ranks[r]],
+    }
+    if with_values:
+        out["grads"] = _values(case.ranks[r])
+        out["expected"] = _values(case.expected[r])
+        out["actual"] = _values(run.value)
+    return out
+
+
+def as_json(v: DistVerdict, *, mode: str, layout: dict | None, count: int, seed: int, timeout: float) -> dict:
+    failures = []
+    for i in v.failed:
+        case = v.cases[i]
+        small = sum(a.size for r in case.ranks for a in r) <= MAX_VALUES
+        failures.append(
+            {
+                "check": case.label,
+                "max_norm": case.max_norm,
+                "reason": v.reasons[i],
+                "global_norm": case.norm,
+                "expected_scale": case.scale,
+                "scales": v.hints.get(i, []),
+                "ranks": [_rank_json(v, i, r, small) for r in range(v.size)],
+            }
+        )
+    return {
+        "target": v.target,
+        "ranks": v.size,
+        "mode": mode,
+        "layout": layout,
+        "passed": v.passed,
+        "grade": v.grade,
+        "near_miss": v.near,
+        "checks": len(v.cases),
+        "failed": len(v.failed),
+        "fingerprint": v.fingerprint,
+        "fingerprint_scores": v.scores,
+        "stopped": v.stopped,
+        "notes": v.notes,
+        "random": count,
+        "seed": seed,
+        "timeout": timeout,
+        "failures": failures,
+    }
+
+
+def _holding(arrays: list) -> str:
+    if not arrays:
+        return "no arrays"
+    values = sum(a.size for a in arrays)
+    dtypes = sorted({a.dtype.name for a in arrays})
+    return (
+        f"{len(arrays)} array{'s' * (len(arrays) != 1)}, {values} value{'s' * (values != 1)}, "
+        f"{'/'.join(dtypes)}"
+    )
+
+
+def report(v: DistVerdict, *, mode: str, layout: dict | None, seed: int, shown: int = 5) -> list[str]:
+    """The readable verdict, line by line."""
+    where = f"on {v.size} ranks{_mode_words(mode, layout)}"
+    lines = [f"gclip.conformance: judging {v.target} {where} against the contract"]
+    lines += [f"  note: {n}" for n in v.notes]
+    groups = [("the lab's model over the layout", "layout")] if layout else list(GROUPS)
+    for title, prefix in groups:
+        title = f"random layouts (seed {seed})" if prefix == "random" else title
+        run = [i for i, c in enumerate(v.cases) if c.label.startswith(prefix)]
+        bad = sum(i in v.reasons for i in run)
+        lines.append(f"  {title:<34} {len(run):>4} run  {bad:>4} failed")
+    if v.stopped:
+        lines.append(f"  stopped: {v.stopped}")
+    lines.append(verdict_line(v.grade, len(v.failed), len(v.cases), v.fingerprint, v.near))
+    if v.passed:
+        return lines
+    hint = "it fails like no bug of the gallery: see the scales below"
+    lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
+    lines.append(first_failures(shown, len(v.failed)))
+    for i in v.failed[:shown]:
+        case, run = v.cases[i], v.runs[i]
+        lines.append(f"  {case.label}  (max_norm {case.max_norm:g})")
+        for r, rank in enumerate(run.ranks):
+            ops = ", ".join(rank.ops) if rank.ops else "no collective"
+            lines.append(f"    rank {r}: {_holding(case.ranks[r])}; {_outcome_words(rank)}; entered {ops}")
+        lines.append(f"    reason   {v.reasons[i]}")
+        lines += [f"    {line}" for line in v.hints.get(i, [])]
+    return lines

@@ -1,0 +1,203 @@
+"""What scale a clip applied, and which norm that scale implies.
+
+A clip multiplies every value by one number. Given what went in and what came
+out, that number is recovered by least squares, per unit (a shard of the
+single-process judge, a rank of the distributed one, a rank of a real training
+step for ``gclip.testing.diagnose``). From it: the norm the function must have
+used (``max_norm / scale``), compared with the true global norm and with the
+norms a learner may have computed instead (their own rank's, all but one
+rank's, the sum of the local norms...). This turns "unknown" into a hint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "Applied",
+    "applied",
+    "digits_to_tell",
+    "implied_norm",
+    "norm_hints",
+    "same_scale",
+    "scale_words",
+    "unit_lines",
+]
+
+SAME = 1e-9  # two float64 scales closer than this (relative) are the same scale
+NEAR_FLOAT32 = 3e-6  # a norm off by at most this (relative) was computed in lower precision
+
+
+class Applied(NamedTuple):
+    """The factor one unit was multiplied by, as well as it can be told."""
+
+    scale: float | None  # None: nothing non-zero went in, so any factor fits
+    uniform: bool  # every value got that factor (within the tolerance)
+    departure: float  # the largest |after - scale * before|
+    top: float  # the largest |before|: how well the scale can be told (departure / top)
+
+
+def applied(
+    before: Sequence[np.ndarray], after: Sequence[np.ndarray], rtol: float, atol: float = 0.0
+) -> Applied:
+    """The least-squares factor after ~ scale * before, over all of a unit's values.
+
+    ``rtol`` is the relative precision of the values (their dtype's), ``atol``
+    an absolute one (the contract's rounding to 12 decimals)."""
+    b = np.concatenate([np.asarray(x, dtype=np.float64).ravel() for x in before] or [np.zeros(0)])
+    a = np.concatenate([np.asarray(x, dtype=np.float64).ravel() for x in after] or [np.zeros(0)])
+    if b.shape != a.shape or not np.all(np.isfinite(a)):
+        return Applied(None, False, math.inf, 0.0)
+    top = float(np.max(np.abs(b))) if b.size else 0.0
+    if top == 0.0:
+        return Applied(None, True, 0.0, 0.0)
+    bb, ab = float(np.dot(b / top, b / top)), float(np.dot(a / top, b / top))
+    scale = ab / bb
+    departure = float(np.max(np.abs(a - scale * b)))
+    return Applied(scale, departure <= atol + rtol * max(abs(scale), rtol) * top, departure, top)
+
+
+def same_scale(a: float | None, b: float | None, rtol: float = SAME) -> bool:
+    if a is None or b is None:
+        return True
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300)
+
+
+def implied_norm(scale: float | None, max_norm: float) -> float | None:
+    """The norm a scale implies: max_norm / scale when it clipped; None when it cannot tell."""
+    if scale is None or scale <= 0.0 or scale >= 1.0 - SAME:
+        return math.inf if scale == 0.0 and max_norm > 0 else None
+    return max_norm / scale
+
+
+def scale_words(scale: float | None, max_norm: float, digits: int = 6) -> str:
+    """'scale 0.4 (implies norm 5)', 'left unchanged (scale 1)', 'nothing to scale'."""
+    if scale is None:
+        return "nothing to scale"
+    if abs(scale - 1.0) <= SAME:
+        return "left unchanged (scale 1)"
+    norm = implied_norm(scale, max_norm)
+    if norm is None:
+        return f"scale {scale:.{digits}g}"
+    return f"scale {scale:.{digits}g} (implies norm {norm:.{digits}g})"
+
+
+def digits_to_tell(a: float, b: float) -> int:
+    """Significant digits that show two close numbers apart (6 when they are far apart)."""
+    gap = abs(a - b) / max(abs(a), abs(b), 1e-300)
+    if gap <= SAME or gap >= 1e-5:
+        return 6
+    return min(15, math.ceil(-math.log10(gap)) + 2)
+
+
+def norm_hints(
+    norm: float,
+    sumsq: Sequence[float],
+    counts: Sequence[int],
+    kind: str,
+    rtol: float = SAME,
+    global_norm: float | None = None,
+) -> list[str]:
+    """What a norm equals, among the norms a clip may compute by mistake.
+
+    ``sumsq[u]`` and ``counts[u]`` are unit u's sum of squares and element
+    count; ``rtol`` how close it must be to be the global norm (the values'
+    precision). Returns phrases such as "the norm without rank 2", best first.
+    ``global_norm``: the true one when units hold copies (a layout), so that
+    the sum over units counts some values more than once.
+    """
+    local = [math.sqrt(s) for s in sumsq]
+    total = math.fsum(sumsq)
+    every = math.sqrt(total)
+    exact = every if global_norm is None else global_norm
+    units = len(sumsq)
+    candidates: list[tuple[str, float]] = [("the global norm", exact)]
+    if abs(every - exact) > rtol * exact:
+        candidates.append((f"the norm of every value on every {kind}, copies counted each time", every))
+    if units > 1:
+        for k in range(units):
+            if sumsq[k] > 0:
+                rest = math.sqrt(max(0.0, math.fsum(sumsq) - sumsq[k]))
+                candidates.append((f"the norm without {kind} {k} (its values left out)", rest))
+        candidates += [
+            ("the sum of the local norms (norms added instead of squares)", math.fsum(local)),
+            ("the largest local norm", max(local)),
+            ("the mean of the local norms", math.fsum(local) / units),
+            (f"{kind} 0's own norm", local[0]),
+        ]
+    n = sum(counts)
+    if n > 1:
+        candidates.append(
+            ("the root-mean-square (the norm divided by sqrt of the element count)", exact / math.sqrt(n))
+        )
+    if exact > 0 and abs(norm - exact) <= rtol * exact:
+        return ["the global norm"]
+    loose = max(rtol, 1e-7)
+    found = [name for name, value in candidates[1:] if value > 0 and abs(norm - value) <= loose * value]
+    if not found and exact > 0:
+        off = (norm - exact) / exact
+        if abs(norm - exact - 1e-6) <= 1e-7 + rtol * exact:
+            found.append("the global norm + 1e-6 (an epsilon added to the norm, as torch does)")
+        elif abs(off) <= NEAR_FLOAT32:
+            found.append(f"the global norm off by {off:+.2g} relative (rounding, e.g. float32 arithmetic)")
+        else:
+            found.append(f"no norm we know ({norm / exact:.4g} times the global norm)")
+    return found
+
+
+def unit_lines(
+    kind: str,
+    applied_by_unit: Sequence[Applied],
+    sumsq: Sequence[float],
+    counts: Sequence[int],
+    max_norm: float,
+    expected_scale: float,
+    global_norm: float,
+    rtol: float = SAME,
+) -> list[str]:
+    """Short lines for a learner: the scale each unit applied, against the expected one.
+
+    ``rtol``: how close two scales must be to count as one (the values' precision)."""
+    told = [(u, a) for u, a in enumerate(applied_by_unit) if a.scale is not None]
+    scales = [a.scale or 0.0 for _, a in told]
+    digits = max([digits_to_tell(s, expected_scale) for s in scales] or [6])
+    lines = [
+        f"expected: scale {expected_scale:.{digits}g} on every {kind} "
+        f"(global norm {global_norm:.{digits}g}, max_norm {max_norm:g})"
+    ]
+    if not told:
+        return lines
+    odd = [u for u, a in told if not a.uniform]
+    if len(odd) == 1:
+        lines.append(f"{kind} {odd[0]}: not one scale (its values were scaled by different factors)")
+    elif odd:
+        lines.append(
+            f"{kind}s {', '.join(map(str, odd))}: not one scale (values scaled by different factors)"
+        )
+    if all(same_scale(s, scales[0], rtol) for s in scales):
+        s = scales[0]
+        words = scale_words(s, max_norm, digits)
+        if same_scale(s, expected_scale, rtol):
+            lines.append(f"applied: the same {words} on every {kind}, as expected")
+            return lines
+        lines.append(f"applied: the same {words} on every {kind}")
+        norm = implied_norm(s, max_norm)
+        if norm is not None and math.isfinite(norm):
+            hints = norm_hints(norm, sumsq, counts, kind, rtol, global_norm)
+            lines.append(f"  the implied norm {norm:.{digits}g} is {'; or '.join(hints)}")
+        elif abs(s - 1.0) <= SAME:
+            lines.append(f"  left unchanged although the global norm {global_norm:.6g} is above max_norm")
+        return lines
+    lines.append(f"applied: different scales on different {kind}s (a clip must apply one scale everywhere)")
+    for u, a in told:
+        norm = implied_norm(a.scale, max_norm)
+        own = ""
+        if norm is not None and math.isfinite(norm) and sumsq[u] > 0:
+            if abs(norm - math.sqrt(sumsq[u])) <= max(rtol, 1e-7) * norm:
+                own = ": its own norm"
+        lines.append(f"  {kind} {u}: {scale_words(a.scale, max_norm, digits)}{own}")
+    return lines

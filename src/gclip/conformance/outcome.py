@@ -1,0 +1,99 @@
+"""What one rank's call gave, on the rank (read it off the return) and in the judge (decode it).
+
+The function may return the clipped list, a tuple, any iterable of arrays,
+``gclip``'s ``ClipResult``, a ``(grads, norm)`` pair, or None when it clipped
+in place: all of these are the same layout. Arrays travel to the judge as
+JSON (dtype, shape, values as float64, exact for float32 and float64).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["CaseRun", "RankRun", "decode", "encode", "returned_arrays"]
+
+
+class RankRun(NamedTuple):
+    """One rank in one case, as the judge knows it."""
+
+    kind: str  # "value", "raised", "bad" (a value that is no clip), or "lost" (the case never ended)
+    value: list[np.ndarray] | None = None
+    message: str | None = None  # the exception, what is wrong with the value, or the hang
+    ops: tuple[str, ...] = ()  # the collectives it entered
+
+
+class CaseRun(NamedTuple):
+    """Every rank in one case; ``lost`` says why the case never finished (a hang, a death)."""
+
+    ranks: list[RankRun]
+    lost: str | None = None
+    lost_kind: str | None = None  # hangs.Stuck.kind
+    culprits: tuple[int, ...] = ()
+
+
+def encode(arrays: Sequence[np.ndarray]) -> list[dict]:
+    return [
+        {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.astype(np.float64).ravel().tolist()}
+        for a in arrays
+    ]
+
+
+def decode(items: Sequence[dict]) -> list[np.ndarray]:
+    out = []
+    for item in items:
+        data = np.asarray(item["data"], dtype=np.float64)
+        try:
+            out.append(data.astype(np.dtype(item["dtype"])).reshape(item["shape"]))
+        except (TypeError, ValueError):
+            out.append(data.reshape(item["shape"]))
+    return out
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    return isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0
+
+
+def _iterable(value: Any) -> bool:
+    return not isinstance(value, (str, bytes, dict)) and hasattr(value, "__iter__")
+
+
+def _as_array(item: Any) -> np.ndarray:
+    if hasattr(item, "detach"):  # a torch tensor
+        item = item.detach().cpu().numpy()
+    return np.asarray(item)
+
+
+def returned_arrays(value: Any, given: Sequence[np.ndarray]) -> tuple[list[np.ndarray] | None, str | None]:
+    """The arrays a call produced, or why its return is no clip of ``given``.
+
+    None means "clipped in place": the given arrays are the result.
+    """
+    if value is None:
+        return [np.array(a, copy=True) for a in given], None
+    if hasattr(value, "grads") and hasattr(value, "total_norm"):  # gclip's ClipResult
+        value = value.grads
+    elif isinstance(value, tuple) and len(value) == 2 and _iterable(value[0]) and _number(value[1]):
+        value = value[0]  # (grads, total_norm), as many clips return
+    if isinstance(value, np.ndarray) or not _iterable(value):
+        return None, (
+            f"returned {type(value).__name__}, not a list of arrays "
+            "(return the clipped list, or None after clipping in place)"
+        )
+    try:
+        items = [_as_array(v) for v in value]
+    except Exception as exc:  # noqa: BLE001 - whatever the return holds
+        return None, f"returned something that is not arrays ({type(exc).__name__}: {exc})"
+    if len(items) != len(given):
+        return None, f"returned {len(items)} arrays for the {len(given)} it was given"
+    for i, (got, was) in enumerate(zip(items, given)):
+        if got.size != was.size:
+            return None, f"returned array {i} with {got.size} values, given {was.size}"
+        if got.dtype.kind not in "fiu":
+            return None, f"returned array {i} of dtype {got.dtype}, not numbers"
+    return [np.asarray(g).reshape(w.shape) for g, w in zip(items, given)], None

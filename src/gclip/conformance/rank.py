@@ -1,0 +1,161 @@
+"""One rank of the judge's MPI job: ``python -m gclip.conformance.rank JOBDIR``.
+
+The judge writes ``JOBDIR/job.json`` (what to load, how to call it, the first
+case to run) and ``JOBDIR/cases.pkl``; every rank appends one JSON line per
+event to ``JOBDIR/rank<R>.jsonl``: hello (its pid, so the judge can end it),
+ready, then per case start, each collective entered and left (see
+``recorder``), the outcome, and done once every rank has finished the case.
+
+Between cases the ranks meet in a barrier on a communicator of the judge's
+own, never the one the function gets: a rank that skipped the function's
+collective waits there (it has said so) instead of entering the next case's
+collective, where it would pair with the others' stuck one and hide the hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["call_numpy", "main", "outcome_event"]
+
+MESSAGE_LIMIT = 200  # characters of an exception kept
+
+
+class _Sink:
+    """Appends events to this rank's file, one line each, unbuffered (the judge tails it)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def __call__(self, event: dict) -> None:
+        data = (json.dumps(event) + "\n").encode()
+        while data:
+            data = data[os.write(self.fd, data) :]
+
+
+def outcome_event(value: Any, given: list[np.ndarray]) -> dict:
+    """The outcome of one call as an event: the arrays, or why the return is no clip."""
+    from .outcome import encode, returned_arrays
+
+    arrays, why = returned_arrays(value, given)
+    if arrays is None:
+        return {"kind": "bad", "msg": why}
+    return {"kind": "value", "value": encode(arrays)}
+
+
+def call_numpy(fn: Any, arrays: list[np.ndarray], max_norm: float, comm: Any, *extra: Any) -> dict:
+    """Call ``fn(grads, max_norm, comm, *extra)`` on copies; its outcome as an event."""
+    from ..errors import exception_line
+
+    given = [np.array(a, copy=True) for a in arrays]
+    try:
+        value = fn(given, max_norm, comm, *extra)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are outcomes too
+        return {"kind": "raised", "msg": exception_line(exc, limit=MESSAGE_LIMIT)}
+    return outcome_event(value, given)
+
+
+def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any) -> dict:
+    """Call ``fn(parameters, max_norm, group)``; the parameters' .grad after it is the outcome."""
+    import torch
+
+    from ..errors import exception_line
+    from .outcome import encode
+
+    params = []
+    for a in arrays:
+        p = torch.nn.Parameter(torch.zeros(a.shape, dtype=torch.from_numpy(a).dtype))
+        p.grad = torch.from_numpy(np.array(a, copy=True))
+        params.append(p)
+    try:
+        fn(params, max_norm, group)
+    except BaseException as exc:  # noqa: BLE001 - as above
+        return {"kind": "raised", "msg": exception_line(exc, limit=MESSAGE_LIMIT)}
+    lost = [i for i, p in enumerate(params) if p.grad is None]
+    if lost:
+        return {"kind": "bad", "msg": f"parameter {lost[0]}'s .grad became None"}
+    return {"kind": "value", "value": encode([p.grad.detach().cpu().numpy() for p in params])}
+
+
+def main(jobdir: str) -> int:
+    with open(os.path.join(jobdir, "job.json")) as f:
+        job = json.load(f)
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+    early = _Sink(os.path.join(jobdir, f"rank{rank}.jsonl")) if rank >= 0 else None
+    if early is not None:
+        early({"e": "hello", "pid": os.getpid()})  # before MPI starts: the judge can end us from now
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    sink = early or _Sink(os.path.join(jobdir, f"rank{world.Get_rank()}.jsonl"))
+    if early is None:
+        sink({"e": "hello", "pid": os.getpid()})
+    from ..errors import exception_line
+    from . import recorder
+    from .target import load
+
+    private = world.Dup()  # the judge's barrier, apart from whatever the function does
+    comm = recorder.recorded(world.Dup())
+    rec = recorder.install(recorder.Recorder(sink))
+    group = None
+    if job["mode"] == "torch":
+        import torch.distributed as dist
+
+        store = os.path.join(jobdir, "torch-store")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=world.Get_rank(), world_size=world.Get_size()
+        )
+        recorder.record_torch()
+        group = dist.group.WORLD
+    try:
+        fn, note = load(job["kind"], job["where"], job["func"])
+    except LookupError as exc:
+        sink({"e": "usage", "msg": str(exc)})
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - anything the file does while loading
+        sink({"e": "usage", "msg": f"cannot load {job['where']}: {exception_line(exc, limit=MESSAGE_LIMIT)}"})
+        return 0
+    with open(os.path.join(jobdir, "cases.pkl"), "rb") as f:
+        cases = pickle.load(f)
+    mesh = None
+    if job["mode"] == "layout":
+        from ..layout import Mesh
+
+        mesh = Mesh(comm, **job["layout"])
+    sink({"e": "ready", "note": note})
+    private.Barrier()
+    for i in range(job["first"], len(cases)):
+        case = cases[i]
+        sink({"e": "start", "c": i})
+        if mesh is not None:
+            from .layout_cases import layout_inputs
+
+            arrays, entries, _ = layout_inputs(case, mesh)  # collective (Split): outside the record
+            rec.begin(i)
+            event = call_numpy(fn, arrays, case.max_norm, comm, mesh, entries)
+        elif group is not None:
+            rec.begin(i)
+            event = _call_torch(fn, case.ranks[world.Get_rank()], case.max_norm, group)
+        else:
+            rec.begin(i)
+            event = call_numpy(fn, case.ranks[world.Get_rank()], case.max_norm, comm)
+        rec.end()
+        sink({"e": "outcome", "c": i, **event})
+        private.Barrier()
+        sink({"e": "done", "c": i})
+    sink({"e": "end"})
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,58 @@
+"""Check your own distributed clip from inside your own tests and training jobs.
+
+- :func:`assert_conforms` runs the distributed judge's checks on the ranks
+  your test runs on (under ``mpirun -n R python -m pytest --with-mpi``):
+  every rank passes, or every rank raises the same AssertionError naming the
+  bug. A case that hangs (a rank skipping the collective) never hangs your
+  suite: a watchdog prints which ranks did what and aborts the job.
+- :func:`diagnose` takes one step of your real training code, the gradients
+  before and after its clip, and says which scale each rank applied, whether
+  they agree, the norm that implies, and the gallery bug it matches.
+
+See docs/judge.md for a test file to copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .conformance.diagnosis import Diagnosis, diagnose
+
+__all__ = ["Diagnosis", "assert_conforms", "diagnose"]
+
+
+def assert_conforms(
+    fn: Callable[..., Any],
+    comm: Any = None,
+    *,
+    random: int = 50,
+    seed: int = 0,
+    timeout: float = 10.0,
+) -> None:
+    """Assert that ``fn(grads, max_norm, comm)`` clips like gclip on the ranks of ``comm``.
+
+    Collective: call it on every rank of ``comm`` (default ``COMM_WORLD``).
+    ``fn`` gets this rank's list of float arrays, the limit and a
+    communicator (a recording duplicate of ``comm``), and returns the
+    clipped list, or None after clipping in place. The cases are the
+    command's (``python -m gclip.conformance FILE.py:FUNC --ranks R``): the
+    contract's checks spread over the ranks, ranks holding several, no or
+    only empty arrays, float32 and float64, edge cases and ``random`` seeded
+    layouts. ``timeout``: seconds one case may take before the watchdog
+    aborts the job (with a message naming the ranks that hung).
+
+    Raises AssertionError, with the same message on every rank, naming the
+    gallery bug ``fn`` reproduces when it is one.
+    """
+    from ._validate import communicator
+    from .conformance.inprocess import conforms
+
+    comm = communicator(comm)
+    if isinstance(random, bool) or not isinstance(random, int) or random < 0:
+        raise ValueError(f"random must be a whole number >= 0, got {random!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    verdict, message = conforms(fn, comm, count=random, seed=seed, timeout=float(timeout))
+    if not verdict.passed:
+        raise AssertionError(message)

@@ -1,0 +1,56 @@
+"""gclip.testing.assert_conforms inside ``mpirun -n 3 python -m pytest --with-mpi``, as a user runs it.
+
+The suites are tests/judge_targets/*_suite.py (not collected by the plain
+suite). Every rank must see the same verdict; a hanging clip must end the
+job with a message naming the ranks, within the time limit, leaving no rank.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from gclip._lab import mpirun
+
+TARGETS = Path(__file__).resolve().parent / "judge_targets"
+
+
+def _pytest_mpi(n: int, suite: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi"]
+    return mpirun.run(n, *args, str(TARGETS / suite), timeout=timeout)
+
+
+def test_assert_conforms_passes_and_fails_alike_on_every_rank():
+    proc = _pytest_mpi(3, "verdict_suite.py")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert sorted(re.findall(r"RANK (\d) PASSED", proc.stdout)) == ["0", "1", "2"]
+    raised = re.findall(r"RANK (\d) RAISED (\w+) \| (.*) \| (.*)", proc.stdout)
+    assert sorted(r[0] for r in raised) == ["0", "1", "2"]
+    assert len({r[1:] for r in raised}) == 1, "the ranks' messages differ"
+    _, _, first, fingerprint = raised[0]
+    assert first == "gclip.testing.assert_conforms: max_of_norms on 3 ranks"
+    assert fingerprint.startswith("fingerprint: max-of-norms:")
+
+
+def test_a_hanging_clip_aborts_the_suite_with_the_ranks_named():
+    proc = _pytest_mpi(3, "hang_suite.py", timeout=120)
+    assert proc.returncode not in (0, mpirun.TIMED_OUT), proc.stdout[-4000:] + proc.stderr[-4000:]
+    message = (
+        "gclip.testing.assert_conforms(skips_when_empty): contract N=1: norm spans two shards: "
+        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 3 s)"
+    )
+    assert message in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.count(message) == 1  # said once, by rank 0
+    left = subprocess.run(["pgrep", "-f", str(TARGETS / "hang_suite.py")], capture_output=True, text=True)
+    assert left.stdout == ""
+
+
+def test_a_clip_that_holds_the_gil_still_ends_the_job():
+    proc = _pytest_mpi(2, "gil_suite.py", timeout=180)
+    assert proc.returncode not in (0, mpirun.TIMED_OUT), proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "Timeout (0:00:31)!" in proc.stderr  # faulthandler, after the timeout and its grace
+    assert "in holds_the_gil" in proc.stderr  # where the rank was
+    left = subprocess.run(["pgrep", "-f", str(TARGETS / "gil_suite.py")], capture_output=True, text=True)
+    assert left.stdout == ""
