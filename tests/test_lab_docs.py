@@ -377,9 +377,12 @@ def check_3b(a, out):
         assert f"{used:.6g} ->" in out(f"mpirun -n 4 python -m gclip.demo --seed {SEED} {cmd}")
 
 
-def _judge(path: str, out) -> dict:
+def _judge(path: str, out, ranks: int | None = None) -> dict:
+    """The judge's JSON verdict on a lab file (fewer random cases), and the documented run's agreement."""
+    target = f"{path}:clip" if ranks else f"{path}:clip_shards"
+    extra = ["--ranks", str(ranks)] if ranks else []
     proc = subprocess.run(
-        [sys.executable, "-m", "gclip.conformance", f"{path}:clip_shards", "--json", "--random", "60"],
+        [sys.executable, "-m", "gclip.conformance", target, *extra, "--json", "--random", "60"],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -389,7 +392,7 @@ def _judge(path: str, out) -> dict:
     assert proc.returncode in (0, 1), proc.stderr
     verdict = json.loads(proc.stdout)
     assert verdict["passed"] == (proc.returncode == 0)
-    text = out(f"python -m gclip.conformance {path}:clip_shards")  # the documented run agrees
+    text = out(shlex.join(["python", "-m", "gclip.conformance", target, *extra]))  # the documented run
     assert ("PASS" in text) == verdict["passed"]
     return verdict
 
@@ -452,6 +455,59 @@ def check_4g(a, out):
     assert all("round" in f["reason"] or "1e-11" in f["reason"] for f in verdict["failures"])
     got = _lab_function("lab/mystery_d.py")([[3, 0], [0, 4]], 2)
     assert got == [[3 * (2 / 5), 0.0], [0.0, 4 * (2 / 5)]] and got[0][0] != 1.2  # 1.2000000000000002
+
+
+# the distributed files on 2 real ranks, [3, 0] and [0, 4] with max_norm 2: what each rank returns
+ON_RANKS = r"""
+import importlib.util, json, sys
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+spec = importlib.util.spec_from_file_location("lab_file", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+mine = [np.array([[3.0, 0.0], [0.0, 4.0]][comm.Get_rank()])]
+got = module.clip(mine, 2.0, comm)
+got = mine if got is None else got
+rows = comm.gather([float(v) for v in got[0]], root=0)
+if comm.Get_rank() == 0:
+    print(json.dumps(rows))
+"""
+
+
+def _on_ranks(path: str) -> list[list[float]]:
+    proc = mpirun(2, sys.executable, "-c", ON_RANKS, str(ROOT / path), timeout=TIMEOUT, env=venv_env())
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def check_4h(a, out):
+    assert a.startswith("per-rank") and "no collective" in a
+    assert _judge("lab/distributed/my_clip.py", out, ranks=4)["fingerprint"] == "per-rank"
+    text = flat(out("python -m gclip.conformance lab/distributed/my_clip.py:clip --ranks 4"))
+    assert "entered no collective" in text and "its own norm" in text
+    assert _on_ranks("lab/distributed/my_clip.py") == [[3 * 2 / 3, 0.0], [0.0, 4 * 2 / 4]]  # own norms 3, 4
+
+
+def check_4i(a, out):
+    assert a.startswith("PASS") and "comm.allreduce" in a
+    assert _judge("lab/distributed/answers/good_clip.py", out, ranks=4)["passed"] is True
+    got = _on_ranks("lab/distributed/answers/good_clip.py")
+    np.testing.assert_allclose(got, [[3 * 2 / 5, 0.0], [0.0, 4 * 2 / 5]], rtol=1e-15)
+
+
+def check_4j(a, out):
+    assert a.startswith("sum-of-norms")
+    assert _judge("lab/distributed/mystery_a.py", out, ranks=4)["fingerprint"] == "sum-of-norms"
+    want = [[3 * 2 / 7, 0.0], [0.0, 4 * 2 / 7]]  # 3 + 4 = 7 instead of 5
+    np.testing.assert_allclose(_on_ranks("lab/distributed/mystery_a.py"), want, rtol=1e-15)
+
+
+def check_4k(a, out):
+    assert a.startswith("rank0-norm") and "comm.bcast" in a
+    assert _judge("lab/distributed/mystery_b.py", out, ranks=4)["fingerprint"] == "rank0-norm"
+    want = [[3 * 2 / 3, 0.0], [0.0, 4 * 2 / 3]]  # rank 0's norm, 3, on both ranks
+    np.testing.assert_allclose(_on_ranks("lab/distributed/mystery_b.py"), want, rtol=1e-15)
 
 
 def _train_text(out) -> str:
