@@ -118,7 +118,7 @@ def test_seed_checks_through_json_shards():
     cases, want = [], {}
     oracles = {(w, n): oracle(w, n) for w in ("broken", "attempt") for n in range(1, 6)}
     for n, c in seed_cases():
-        base = ["--json", "--shards", json.dumps(c.shards), "--max-norm", repr(c.limit)]
+        base = ["--json", "--values", "--shards", json.dumps(c.shards), "--max-norm", repr(c.limit)]
         key = f"{n}:{c.label}"
         runs = {
             "global": ([], c.expected),
@@ -150,14 +150,23 @@ def test_seed_checks_through_the_real_command_line():
     ]:
         c = seed_checks(n)[idx]
         proc = demo_run(
-            len(c.shards), "--json", "--shards", json.dumps(c.shards), "--max-norm", str(c.limit), *flags
+            len(c.shards),
+            "--json",
+            "--values",
+            "--shards",
+            json.dumps(c.shards),
+            "--max-norm",
+            str(c.limit),
+            *flags,
         )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         expected = c.expected if which is None else oracle(which, n)[c.label]["actual"]
         assert out["clipped"] == expected
     c = seed_checks(5)[1]  # through the flag's old name, --limit, kept as a hidden alias
-    proc = demo_run(2, "--json", "--buggy", "rms", "--shards", json.dumps(c.shards), "--limit", str(c.limit))
+    proc = demo_run(
+        2, "--json", "--values", "--buggy", "rms", "--shards", json.dumps(c.shards), "--limit", str(c.limit)
+    )
     assert json.loads(proc.stdout)["clipped"] == oracle("attempt", 5)[c.label]["actual"]
 
 
@@ -197,7 +206,7 @@ def test_buggy_text_shows_both_runs_side_by_side():
 @needs_mpi
 @pytest.mark.slow
 def test_json_shape_and_its_arithmetic():
-    proc = demo_run(2, "--json", "--size", "5", "--seed", "3", "--max-norm", "2.5")
+    proc = demo_run(2, "--json", "--values", "--size", "5", "--seed", "3", "--max-norm", "2.5")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
@@ -228,7 +237,8 @@ def test_json_shape_and_its_arithmetic():
 @pytest.mark.slow
 def test_every_gallery_bug_differs_from_the_correct_run_on_default_data():
     names = [b.name for b in gclip.BUGS]
-    got = batch(4, [(name, 4, ["--json", "--buggy", name]) for name in names] + [("global", 4, ["--json"])])
+    cases = [(name, 4, ["--json", "--values", "--buggy", name]) for name in names]
+    got = batch(4, [*cases, ("global", 4, ["--json", "--values"])])
     for name in names:
         out = got[name]
         assert out["mode"] == name and "correct" in out and "cosine" in out
@@ -242,7 +252,9 @@ def test_every_gallery_bug_differs_from_the_correct_run_on_default_data():
     assert got["per-rank"]["cosine"] < 0.99  # the direction changed
     assert len({r["scale"] for r in got["per-rank"]["per_rank"]}) == 4
     assert got["fp16-sumsq"]["clipped_norm"] == 0.0  # wiped out
-    assert got["double-count"]["global_norm"] > got["double-count"]["correct"]["global_norm"]
+    assert got["double-count"]["norms_used"][0] > got["double-count"]["correct"]["global_norm"]
+    assert got["double-count"]["true_global_norm"] == got["double-count"]["correct"]["global_norm"]
+    assert "global_norm" not in got["per-rank"]  # a bug's run has no global norm of its own
 
 
 def test_list_bugs_json_without_mpirun():
@@ -255,8 +267,10 @@ def test_list_bugs_json_without_mpirun():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
-    bugs = json.loads(lines[0])
+    listed = json.loads(lines[0])
+    bugs = [b for b in listed if b["kind"] == "combine"]  # the layout bugs follow: test_demo_layout
     assert [b["name"] for b in bugs] == [b.name for b in gclip.BUGS]
+    assert [b["kind"] for b in listed] == ["combine"] * len(bugs) + ["layout"] * (len(listed) - len(bugs))
     for b in bugs:
         assert b["summary"] and b["explanation"]
     # every bug cites a checked public incident, but two teaching examples that have none

@@ -42,7 +42,8 @@ def test_reproducible_losses_are_bitwise_equal_across_rank_counts(n):
     assert len(many["losses"]) == STEPS
     assert many["losses"] == one["losses"]  # == on floats read from JSON: the same bits
     assert many["final_loss"] == one["final_loss"]
-    assert many["grad_norms"] == one["grad_norms"]
+    assert [n[0] for n in many["norms_used"]] == [n[0] for n in one["norms_used"]]
+    assert many["true_global_norms"] == one["true_global_norms"]
     assert many["digest"] == one["digest"]
 
 
@@ -52,12 +53,16 @@ def test_clipping_is_active_on_many_steps_but_not_all():
     assert out["mode"] == "global"
     assert 0 < out["clipped_steps"] < STEPS
     assert out["clipped_steps"] >= 5
-    norms = out["grad_norms"]
+    norms = [n[0] for n in out["norms_used"]]
+    assert all(len(set(n)) == 1 for n in out["norms_used"])  # one global norm, used by every rank
+    assert norms == pytest.approx(out["true_global_norms"], rel=1e-12)
     assert norms[0] > 0.1  # the first step clips...
     applied = out["update_norms"]
     assert applied[0] == pytest.approx(0.1, rel=1e-12)  # ...down to max_norm exactly
     assert max(applied) <= 0.1 * (1 + 1e-12)  # and never lets more through
     assert sum(g > 0.1 for g in norms) == out["clipped_steps"]
+    assert out["steps_above_limit"] == 0
+    assert out["ranks_scaled"] == [2 if g > 0.1 else 0 for g in norms]  # both ranks or none
 
 
 @slow

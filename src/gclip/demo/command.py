@@ -11,7 +11,7 @@ from .gallery import render_bugs
 from .layout import render_layout, run_layout
 from .layout import to_json as layout_json
 from .options import PROG, parse_args
-from .ranks import run, to_json
+from .ranks import run, run_simulated, to_json
 from .text import render_text
 
 __all__ = ["main"]
@@ -39,12 +39,12 @@ def _main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
         return 0
     if opts.plot:
         check_plot(opts, comm)
-    report = run(opts, comm)
+    report = run_simulated(opts) if opts.simulate else run(opts, comm)  # --ranks: one real rank
     if report is None:
         return 0
     plotted = render_plot(report, opts, opts.plot) if opts.plot else 0
     if opts.json:
-        say(to_json(report))
+        say(to_json(report, opts.values))
     else:
         say(render_text(report, opts))
         if opts.plot:

@@ -15,7 +15,7 @@ from .options import Options
 from .ranks import grads_for, shard_for, whole
 from .text import num, pname
 
-__all__ = ["SWEEP_RANKS", "check_plot", "render_plot", "sweep"]
+__all__ = ["SWEEP_RANKS", "check_plot", "norms_panel", "render_plot", "sweep"]
 
 SWEEP_RANKS = 16  # the third panel simulates R = 1..SWEEP_RANKS ranks
 
@@ -42,23 +42,37 @@ def sweep(opts: Options, modes: Sequence[str], max_ranks: int = SWEEP_RANKS) -> 
     return out
 
 
+def norms_panel(report: dict, opts: Options) -> dict[str, list[float]]:
+    """Panel 1's bars, per rank: the local norm (what the rank counts: the bias on rank 0
+    only) and, beside a bug, the norm the bug's scale was computed from on that rank
+    (per-rank: its own shard and its own copy of the bias)."""
+    c = report.get("correct", report)
+    series = {"local norm (counted once)": [row["local_norm"] for row in c["per_rank"]]}
+    if "correct" in report:
+        series[f"norm used by the bug ({opts.bug_label})"] = [row["norm"] for row in report["per_rank"]]
+    return series
+
+
 def render_plot(report: dict, opts: Options, path: str) -> int:
-    """The slide: local norms vs the limit, per-rank scales, the clipped norm as ranks grow."""
+    """The slide: the norms each rank used vs the limit, per-rank scales, the clipped norm as ranks grow."""
     col = plots.COLORS
-    bug = opts.bug
+    bug = opts.bug_label if opts.bug else None
     c = report.get("correct", report)
     fig, (a1, a2, a3) = plots.figure(3, title=_plot_title(report, opts))
     labels = [f"rank {row['rank']}" for row in report["per_rank"]]
-    local = [row["local_norm"] for row in c["per_rank"]]
+    norms = norms_panel(report, opts)
+    names = list(norms)
     plots.bars(
         a1,
         labels,
-        {"local norm": local},
-        title="1. Each rank sees only its own norm",
+        norms,
+        title="1. Each rank's own norm, and the norm it used"
+        if bug
+        else "1. Each rank sees only its own norm",
         ylabel=f"{pname(opts.p)} norm (log)",
-        colors={"local norm": col["neutral"]},
+        colors={names[0]: col["neutral"], **({names[1]: col["bug"]} if bug else {})},
         hlines={
-            f"global norm {num(c['global_norm'], 4)}": (c["global_norm"], col["correct"]),
+            f"true global norm {num(c['global_norm'], 4)}": (c["global_norm"], col["correct"]),
             f"limit {num(opts.limit)}": (opts.limit, col["limit"]),
         },
         log=True,
@@ -74,19 +88,18 @@ def render_plot(report: dict, opts: Options, path: str) -> int:
         ylabel="scale = min(1, limit / norm used)",
         colors={"correct (global)": col["correct"], f"bug ({bug})": col["bug"]},
     )
-    modes = [GLOBAL.name, "per-rank"] + ([bug] if bug and bug != "per-rank" else [])
+    # the per-rank curve is the reference, unless it would name a mystery (or is the bug itself)
+    reference = [] if opts.mystery or opts.bug == "per-rank" else ["per-rank"]
+    modes = [GLOBAL.name, *reference] + ([opts.bug] if opts.bug else [])
     curves = sweep(opts, modes)
     xs = list(range(1, SWEEP_RANKS + 1))
-    series = {
-        "correct (global)": curves[GLOBAL.name],
-        "per-rank": curves["per-rank"],
-    }
-    colors = {
-        "correct (global)": col["correct"],
-        "per-rank": col["bug"] if bug == "per-rank" else col["other"],
-    }
-    if bug and bug != "per-rank":
-        series[f"bug ({bug})"] = curves[bug]
+    series = {"correct (global)": curves[GLOBAL.name]}
+    colors = {"correct (global)": col["correct"]}
+    if reference:
+        series["per-rank"] = curves["per-rank"]
+        colors["per-rank"] = col["other"]
+    if opts.bug:
+        series[f"bug ({bug})"] = curves[opts.bug]
         colors[f"bug ({bug})"] = col["bug"]
     series["sqrt(R) x limit"] = [math.sqrt(n) * opts.limit for n in xs]
     colors["sqrt(R) x limit"] = col["bound"]
@@ -110,7 +123,7 @@ def render_plot(report: dict, opts: Options, path: str) -> int:
 
 def _plot_title(report: dict, opts: Options) -> str:
     r = report["ranks"]
-    what = f"the {opts.bug} bug vs the correct clip" if opts.bug else "clipping by the global norm"
+    what = f"the {opts.bug_label} bug vs the correct clip" if opts.bug else "clipping by the global norm"
     return f"gclip: {what} ({r} rank{'s' * (r != 1)}, limit {num(opts.limit)})"
 
 

@@ -16,7 +16,9 @@ __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_REPLICATED",
     "DEFAULT_SIZE",
+    "MAX_SIMULATED",
     "MAX_SIZE",
+    "MYSTERIES",
     "PROG",
     "Options",
     "parse_args",
@@ -28,6 +30,22 @@ DEFAULT_SIZE = 1000
 DEFAULT_LIMIT = 1.0
 DEFAULT_REPLICATED = (30.0, -40.0)
 MAX_SIZE = 10**6  # a demo gathers everything on rank 0
+MAX_SIMULATED = 64  # --ranks R: simulated ranks in one process
+
+# --mystery K runs MYSTERIES[K - 1] under a hidden name. Not the gallery's order (--list-bugs
+# would give the answer away); fixed, so that the lab's answer key (docs/lab-answers.md) holds.
+MYSTERIES = (
+    "mean-of-norms",
+    "rank0-norm",
+    "double-count",
+    "per-rank",
+    "sum-of-norms",
+    "fp16-sumsq",
+    "max-of-norms",
+    "rms",
+    "epsilon",
+    "inf-pow",
+)
 
 
 @dataclass(frozen=True)
@@ -44,10 +62,18 @@ class Options:
     plot: str | None
     list_bugs: bool
     layout: str | None = None  # e.g. "pp=2,dp=2,tp=2": the lab's model laid out over the ranks
+    simulate: int | None = None  # --ranks R: R simulated ranks in this one process (no mpirun)
+    mystery: int | None = None  # --mystery K: ``bug`` is MYSTERIES[K - 1], its name kept out of the output
+    values: bool = False  # --values: the JSON holds the clipped values too
 
     @property
     def mode(self) -> str:
         return self.bug or GLOBAL.name
+
+    @property
+    def bug_label(self) -> str:
+        """What the output calls the bug: its name, or "mystery K" when the name is hidden."""
+        return f"mystery {self.mystery}" if self.mystery else (self.bug or GLOBAL.name)
 
     @property
     def p(self) -> float:
@@ -73,6 +99,18 @@ def _parser() -> ArgParser:
         help="also run a gallery bug on the same data, side by side (alone: per-rank; see --list-bugs)",
     )
     p.add_argument(
+        "--mystery",
+        type=int,
+        metavar="K",
+        help=f"run gallery bug number K (1..{len(MYSTERIES)}) without saying which: the lab's exercise",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        metavar="R",
+        help="simulate R ranks in this one process, without mpirun (the same engine; no MPI needed)",
+    )
+    p.add_argument(
         "--layout",
         metavar="AXES",
         help="lay a small transformer out over the ranks, e.g. pp=2,dp=2,tp=2 (axes pp, dp, tp, ep)",
@@ -92,6 +130,7 @@ def _parser() -> ArgParser:
     p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="values per rank (default 1000)")
     p.add_argument("--reproducible", action="store_true", help="exact binned sums: same bits for any layout")
     p.add_argument("--json", action="store_true", help="one JSON object on one line instead of the report")
+    p.add_argument("--values", action="store_true", help="with --json: include the clipped values themselves")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figure (needs matplotlib)")
     p.add_argument("--list-bugs", action="store_true", help="list the bug gallery and exit")
     return p
@@ -100,11 +139,34 @@ def _parser() -> ArgParser:
 def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
     """Options from argv, validated; bad input raises a one-line UsageError.
 
-    ``ranks`` is the number of ranks ``--shards`` must match (None: not checked).
+    ``ranks`` is the number of real ranks (MPI's): ``--shards`` must match it, or
+    ``--ranks`` when given, which real ranks refuse (None: not checked).
     """
     ns = _parser().parse_args(argv)
     if ns.list_bugs:
         return Options(None, [], DEFAULT_LIMIT, None, 0, 0, None, False, ns.json, None, True)
+    if ns.ranks is not None:
+        if not 1 <= ns.ranks <= MAX_SIMULATED:
+            raise UsageError(f"--ranks must be between 1 and {MAX_SIMULATED}, got {ns.ranks}")
+        if ranks is not None and ranks > 1:
+            raise UsageError(
+                f"--ranks simulates ranks in one process, but this runs on {ranks} real ranks: "
+                "drop --ranks, or drop mpirun"
+            )
+        if ns.layout is not None:
+            raise UsageError(
+                "--layout needs real ranks: run it under mpirun (e.g. mpirun -n 8), without --ranks"
+            )
+        ranks = ns.ranks
+    if ns.mystery is not None:
+        if not 1 <= ns.mystery <= len(MYSTERIES):
+            raise UsageError(f"--mystery takes a number from 1 to {len(MYSTERIES)}, got {ns.mystery}")
+        clash = [f for f, v in (("--buggy", ns.buggy), ("--layout", ns.layout)) if v]
+        if clash:
+            raise UsageError(f"--mystery runs a bug of its own: drop {', '.join(clash)}")
+        ns.buggy = MYSTERIES[ns.mystery - 1]
+    if ns.values and not ns.json:
+        raise UsageError("--values goes with --json (the text report shows short shards' values already)")
     if ns.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {ns.seed}")
     if not 0 <= ns.size <= MAX_SIZE:
@@ -134,6 +196,9 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
         ns.plot,
         False,
         ns.layout,
+        ns.ranks,
+        ns.mystery,
+        ns.values,
     )
 
 
@@ -157,7 +222,8 @@ def parse_data(
         if ranks is not None and len(data) != ranks:
             raise UsageError(
                 f"--shards has {len(data)} shard{'s' * (len(data) != 1)} for {ranks} "
-                f"rank{'s' * (ranks != 1)}: give one list per rank (mpiexec -n {len(data)})"
+                f"rank{'s' * (ranks != 1)}: give one list per rank (mpiexec -n {len(data)}, "
+                f"or --ranks {len(data)})"
             )
         values = [_numbers(s, f"--shards[{i}]") for i, s in enumerate(data)]
     if replicated is None:

@@ -9,29 +9,73 @@ import numpy as np
 
 from .._lab.jsonout import dumps
 from .._lab.vectors import cosine, vector_norm
-from ..clip import clip_by_global_norm
+from ..clip import clip_by_global_norm, clip_simulated
 from ..contract import rounded
 from ..strategies import GLOBAL, STRATEGIES
 from .options import Options
 
-__all__ = ["TOP_NORM", "build_report", "grads_for", "random_shard", "run", "shard_for", "to_json", "whole"]
+__all__ = [
+    "SIMULATED_HOST",
+    "TOP_NORM",
+    "build_report",
+    "grads_for",
+    "random_shard",
+    "run",
+    "run_simulated",
+    "shard_for",
+    "shard_norm",
+    "to_json",
+    "whole",
+]
 
-TOP_NORM = 400.0  # the largest shard's norm; rank r's is TOP_NORM / 2**_PATTERN[r % 4]
+TOP_NORM = 400.0  # seed 0: the largest shard's norm; rank r's is TOP_NORM / 2**_PATTERN[r % 4]
 _PATTERN = (2, 0, 3, 1)  # 4 ranks: norms 100, 400, 50, 200 (the largest is not on rank 0)
+_NORMS_STREAM = (7919, 104729)  # seeds > 0: the norms' own random stream, apart from the values'
+SIMULATED_HOST = "simulated"  # the host column of a --ranks run
 
 
 # ---------------------------------------------------------------------------
 # the data
 
 
-def random_shard(seed: int, rank: int, size: int) -> np.ndarray:
-    """Rank ``rank``'s seeded random shard: a random direction scaled to a round norm.
+def _norm_pattern(seed: int) -> tuple[float, tuple[int, ...]]:
+    """(the largest norm, the halvings per rank) of seed ``seed``'s data.
 
-    The norms cycle through 100, 400, 50, 200 (x TOP_NORM / 400) over the ranks.
+    Seed 0 is the tutorial's: 400 and (2, 0, 3, 1), so norms 100, 400, 50, 200.
+    Any other seed draws the largest norm, a multiple of 8 from 264 to 800
+    (not 400: the norms are whole numbers and never seed 0's), and the order of
+    the four halvings, the largest never on rank 0 (so that rank 0's norm and
+    the largest differ). Its sum of squares is above float16's 65504.
+    """
+    if seed == 0:
+        return TOP_NORM, _PATTERN
+    rng = np.random.default_rng([seed, *_NORMS_STREAM])
+    k = int(rng.integers(33, 100))  # 33..99, then 50 (seed 0's 400) skipped: 33..100 but 50
+    k += k >= 50
+    order = tuple(int(i) for i in rng.permutation(len(_PATTERN)))
+    if order[0] == 0:
+        order = order[1:] + order[:1]
+    return 8.0 * k, order
+
+
+def shard_norm(seed: int, rank: int) -> float:
+    """The norm of rank ``rank``'s seeded shard: the largest norm halved 0 to 3 times.
+
+    The pattern of four norms repeats over the ranks.
+    """
+    top, pattern = _norm_pattern(seed)
+    return top / 2.0 ** pattern[rank % len(pattern)]
+
+
+def random_shard(seed: int, rank: int, size: int) -> np.ndarray:
+    """Rank ``rank``'s seeded random shard: a random direction scaled to :func:`shard_norm`.
+
+    Seed 0 gives the tutorial's norms, 100, 400, 50, 200 over four ranks; every
+    other seed its own (so each student of a lab gets their own numbers).
     """
     x = np.random.default_rng([seed, rank]).standard_normal(size)
     n = float(np.linalg.norm(x))
-    return x * (TOP_NORM / 2.0 ** _PATTERN[rank % len(_PATTERN)] / n) if n > 0 else x
+    return x * (shard_norm(seed, rank) / n) if n > 0 else x
 
 
 def shard_for(opts: Options, rank: int) -> np.ndarray:
@@ -76,18 +120,48 @@ def run(opts: Options, comm: Any) -> dict | None:
             reproducible=opts.reproducible,
             replicated=flags,
         )
-        mine["runs"][mode] = {
-            "local_sumsq": float(res.local_power),
-            "local_norm": float(res.local_norm),
-            "norm": float(res.total_norm),
-            "scale": float(res.scale),
-            "finite": bool(res.finite),
-            "grads": res.grads,
-        }
+        mine["runs"][mode] = _what_it_did(res)
     gathered = comm.gather(mine, root=0)
     if rank != 0:
         return None
     return build_report(opts, gathered)
+
+
+def run_simulated(opts: Options) -> dict:
+    """The same clips on ``opts.simulate`` simulated ranks, in this one process (no MPI).
+
+    ``gclip.clip_simulated`` runs the library's engine on each simulated rank;
+    only the all-reduce is a sum over a list. The report is the one :func:`run`
+    builds, its host column "simulated".
+    """
+    size = opts.simulate or 1
+    per_rank = [grads_for(opts, shard_for(opts, r)) for r in range(size)]
+    gathered: list[dict[str, Any]] = [
+        {"rank": r, "host": SIMULATED_HOST, "grads": g, "runs": {}} for r, (g, _) in enumerate(per_rank)
+    ]
+    for mode in dict.fromkeys([GLOBAL.name, opts.mode]):
+        results = clip_simulated(
+            [g for g, _ in per_rank],
+            opts.limit,
+            norm_type=opts.p,
+            mode=mode,
+            reproducible=opts.reproducible,
+            replicated=per_rank[0][1],
+        )
+        for mine, res in zip(gathered, results):
+            mine["runs"][mode] = _what_it_did(res)
+    return build_report(opts, gathered)
+
+
+def _what_it_did(res: Any) -> dict:
+    return {
+        "local_sumsq": float(res.local_power),
+        "local_norm": float(res.local_norm),
+        "norm": float(res.total_norm),
+        "scale": float(res.scale),
+        "finite": bool(res.finite),
+        "grads": list(res.grads),
+    }
 
 
 def _host() -> str:
@@ -101,37 +175,52 @@ def _host() -> str:
 
 
 def build_report(opts: Options, gathered: list[dict]) -> dict:
-    """The whole story on rank 0, from what every rank sent (pure; JSON-ready but for arrays)."""
+    """The whole story on rank 0, from what every rank sent (pure; JSON-ready but for arrays).
+
+    ``true_global_norm`` is the correct clip's norm of the input. A bug's run
+    reports the norms and scales it used (``norms_used``, ``scales``, one per
+    rank), never a ``global_norm`` of its own: rank 0's number is not a global
+    norm under most bugs. ``--mystery K`` keeps the bug's name out (``mode`` is
+    "mystery-K", no ``bug`` object).
+    """
     p = opts.p
     original = whole([g["grads"] for g in gathered])
     report: dict[str, Any] = {
-        "mode": opts.mode,
+        "mode": f"mystery-{opts.mystery}" if opts.mystery else opts.mode,
         "ranks": len(gathered),
+        "simulated": opts.simulate is not None,
         "limit": opts.limit,
         "norm_type": p,
         "reproducible": opts.reproducible,
-        "data": _data_info(opts),
+        "data": _data_info(opts, len(gathered)),
         "values": [int(g["grads"][0].size) for g in gathered],
         "replicated": list(opts.replicated),
         "input_norm": vector_norm(original, p),
     }
+    if opts.mystery:
+        report["mystery"] = opts.mystery
     correct = _summary(gathered, GLOBAL.name, p, original)
-    report.update(correct if opts.bug is None else _summary(gathered, opts.bug, p, original))
+    report["true_global_norm"] = correct["global_norm"]
     if opts.bug is None:
+        report.update(correct)
         report["max_abs_error"] = 0.0
         return report
+    report.update(_summary(gathered, opts.bug, p, original))
+    del report["global_norm"], report["scale"]  # rank 0's alone: norms_used and scales say it all
     keep = ("global_norm", "scale", "clipped", "clipped_replicated", "clipped_norm", "cosine", "per_rank")
     report["correct"] = {k: correct[k] for k in keep}
-    report["correct"]["scales"] = [r["scale"] for r in correct["per_rank"]]
+    report["correct"]["scales"] = correct["scales"]
     report["max_abs_error"] = _max_error(gathered, opts.bug, GLOBAL.name)
-    report["bug"] = STRATEGIES[opts.bug].as_dict()
+    if not opts.mystery:
+        report["bug"] = STRATEGIES[opts.bug].as_dict()
     return report
 
 
-def _data_info(opts: Options) -> dict:
+def _data_info(opts: Options, ranks: int) -> dict:
     if opts.shards is not None:
         return {"source": "shards"}
-    return {"source": "seed", "seed": opts.seed, "size": opts.size}
+    norms = [shard_norm(opts.seed, r) for r in range(ranks)]
+    return {"source": "seed", "seed": opts.seed, "size": opts.size, "shard_norms": norms}
 
 
 def _summary(gathered: list[dict], mode: str, p: float, original: np.ndarray) -> dict:
@@ -147,6 +236,8 @@ def _summary(gathered: list[dict], mode: str, p: float, original: np.ndarray) ->
         "clipped_replicated": [r["grads"][1] for r in runs] if len(first["grads"]) > 1 else [],
         "clipped_norm": vector_norm(clipped, p),
         "cosine": cosine(clipped, original),
+        "norms_used": [r["norm"] for r in runs],
+        "scales": [r["scale"] for r in runs],
         "per_rank": [
             {
                 "rank": g["rank"],
@@ -172,14 +263,19 @@ def _max_error(gathered: list[dict], mode: str, reference: str) -> float:
     return worst
 
 
-def to_json(report: dict) -> str:
-    """One line of strict JSON; clipped values rounded to 12 decimals as the seed contract."""
+def to_json(report: dict, values: bool = False) -> str:
+    """One line of strict JSON. The clipped values (``clipped``, ``clipped_replicated``,
+    rounded to 12 decimals as the contract's checks are) only with ``values``
+    (``--values``): on the default data they are thousands of numbers."""
     out = dict(report)
-    out["clipped"] = [rounded(s) for s in report["clipped"]]
-    out["clipped_replicated"] = [rounded(s) for s in report["clipped_replicated"]]
+    parts = [out]
     if "correct" in report:
-        c = dict(report["correct"])
-        c["clipped"] = [rounded(s) for s in c["clipped"]]
-        c["clipped_replicated"] = [rounded(s) for s in c["clipped_replicated"]]
-        out["correct"] = c
+        out["correct"] = dict(report["correct"])
+        parts.append(out["correct"])
+    for part in parts:
+        for key in ("clipped", "clipped_replicated"):
+            if values:
+                part[key] = [rounded(s) for s in part[key]]
+            else:
+                del part[key]
     return dumps(out, separators=(",", ":"))

@@ -55,8 +55,23 @@ def render_text(report: dict, opts: Options) -> str:
     return "\n".join(_text_correct(report, opts) if opts.bug is None else _text_buggy(report, opts))
 
 
-def _header(opts: Options, title: str) -> list[str]:
+HINT_RANKS = 4  # the rank count the one-rank hint suggests
+
+
+def _header(opts: Options, title: str, ranks: int) -> list[str]:
     lines = [bold("gclip demo: " + title)]
+    if opts.simulate:
+        lines += wrap(
+            f"ranks: {ranks} simulated in this one process (--ranks {ranks}): the same clip engine as "
+            "under mpirun; the all-reduce is a sum over a list",
+            "  ",
+        )
+    elif ranks == 1 and opts.shards is None:
+        lines += [
+            "  note: this ran on 1 rank, so there was nothing to combine. Start it on several ranks:",
+            f"        mpirun -n {HINT_RANKS} python -m gclip.demo ...   "
+            f"or, without MPI, add --ranks {HINT_RANKS} to simulate {HINT_RANKS} ranks",
+        ]
     if opts.shards is None:
         data = f"--seed {opts.seed}: {opts.size} random values per rank; the shards' norms differ on purpose"
     else:
@@ -112,18 +127,27 @@ def _text_correct(report: dict, opts: Options) -> list[str]:
     sums = [row["local_sumsq"] for row in report["per_rank"]]
     r = report["ranks"]
     title = f"one gradient sharded over {r} rank{'s' * (r != 1)}, clipped to a global {pname(p)} norm"
-    lines = _header(opts, f"{title} of at most {num(limit)}")
+    lines = _header(opts, f"{title} of at most {num(limit)}", r)
     lines += ["", *_local_table(report, opts)]
     op = "MAX" if math.isinf(p) else "SUM"
     total = max(sums) if math.isinf(p) else math.fsum(sums)
     verb = "takes the largest of" if math.isinf(p) else "adds"
+    if r == 1:
+        combine = f"one MPI_Allreduce({op}) over 1 rank: the result is rank 0's own number"
+    elif opts.simulate:
+        combine = f"the {r} numbers combined ({op}) as MPI_Allreduce would; every rank gets the result"
+    else:
+        combine = f"one MPI_Allreduce({op}) {verb} the {r} numbers; every rank gets the result"
+    every = "rank 0 computes" if r == 1 else "every rank computes"
+    who = "each rank multiplies its" if r > 1 else "rank 0 multiplies the"
+    same = "" if r == 1 else f", the same on all {r} ranks"
     lines += [
-        bold(f"2. all-reduce: one MPI_Allreduce({op}) {verb} the {r} numbers; every rank gets the result"),
+        bold(f"2. all-reduce: {combine}"),
         f"   global {_powname(p)} {num(total)}  ->  global norm = "
         + ("" if math.isinf(p) else f"{_root(p, num(total))} = ")
         + bold(num(norm)),
-        bold(f"3. scale: every rank computes scale = min(1, limit / global norm), the same on all {r} ranks"),
-        f"   scale = {_scale_formula(limit, norm, scale)}; each rank multiplies its shard"
+        bold(f"3. scale: {every} scale = min(1, limit / global norm){same}"),
+        f"   scale = {_scale_formula(limit, norm, scale)}; {who} shard"
         + (" (and its bias copy)" if opts.replicated else "")
         + " by it",
         f"   clipped global norm: {green(num(report['clipped_norm'], 10))} (limit {num(limit)});  "
@@ -174,20 +198,32 @@ def _happened_correct(report: dict, opts: Options) -> list[str]:
 
 def _text_buggy(report: dict, opts: Options) -> list[str]:
     bug = STRATEGIES[opts.bug or ""]
+    hidden = opts.mystery is not None
+    label = opts.bug_label
     c, limit = report["correct"], opts.limit
     r = report["ranks"]
-    title = f"the {bug.name} bug next to the correct clip, {r} rank{'s' * (r != 1)}, limit {num(limit)}"
-    lines = _header(opts, f"{title} ({pname(report['norm_type'])} norm)")
-    lines += [f"  bug: {bug.summary}", f"  seen in: {bug.incident}", ""]
-    lines += _local_table(report, opts)
-    w = 26
+    what = f"{label}, a bug of the gallery," if hidden else f"the {bug.name} bug"
+    title = f"{what} next to the correct clip, {r} rank{'s' * (r != 1)}, limit {num(limit)}"
+    lines = _header(opts, f"{title} ({pname(report['norm_type'])} norm)", r)
+    if not hidden:
+        lines += [f"  bug: {bug.summary}", f"  seen in: {bug.incident}"]
+    lines += ["", *_local_table(report, opts)]
+    pairs = []
+    for row, good in zip(report["per_rank"], c["scales"]):
+        # a scale that differs only past 6 digits (epsilon) is shown with 12 on both sides
+        d = 12 if row["scale"] != good and num(row["scale"]) == num(good) else 6
+        pairs.append(
+            (
+                f"{num(c['global_norm'])} -> {num(good, d)}",
+                f"{num(row['norm'])} -> {num(row['scale'], d)}",
+            )
+        )
+    w = max([26] + [len(left) + 2 for left, _ in pairs])
     lines += [
         bold("2-3. combine and scale: norm used -> scale, on each rank"),
-        f"   {'':<26}{green('correct (global)'):<{w + ansi_pad(green(''))}}{red('bug (' + bug.name + ')')}",
+        f"   {'':<26}{green('correct (global)'):<{w + ansi_pad(green(''))}}{red('bug (' + label + ')')}",
     ]
-    for row, good in zip(report["per_rank"], c["scales"]):
-        left = f"{num(c['global_norm'])} -> {num(good)}"
-        right = f"{num(row['norm'])} -> {num(row['scale'])}"
+    for row, (left, right) in zip(report["per_rank"], pairs):
         lines.append(f"   {'rank ' + str(row['rank']):<26}{left:<{w}}{right}")
     good_norm, bad_norm = c["clipped_norm"], report["clipped_norm"]
     rows = [
@@ -196,10 +232,24 @@ def _text_buggy(report: dict, opts: Options) -> list[str]:
         ("max |error| vs correct", "0", num(report["max_abs_error"], 3)),
     ]
     lines += [f"   {name:<26}{left:<{w}}{right}" for name, left, right in rows]
-    if bug.name == "per-rank" and opts.replicated:
+    lines.append(
+        f"   the true global norm is {num(report['true_global_norm'])}: the norm every rank should have used"
+    )
+    if bug.name == "per-rank" and opts.replicated and not hidden:
         lines.append("   (per-rank: each rank's own norm includes its own copy of the bias)")
     lines += _values_lines(report, opts)
     lines += ["", bold("What happened:"), *wrap(" ".join(_happened_buggy(report, opts)), "  ")]
+    if hidden:
+        lines += [
+            bold("Your turn:"),
+            *wrap(
+                f"Which bug of the gallery is {label}? Compare the norm each rank used with the local "
+                "norms (table 1), their sum, mean and largest, the true global norm, and the number of "
+                "values; python -m gclip.demo --list-bugs lists the candidates.",
+                "  ",
+            ),
+        ]
+        return lines
     lines += [bold("Why:"), *wrap(bug.explanation, "  ")]
     lines.append("Other bugs: --list-bugs; the picture: --plot demo.png")
     return lines
@@ -220,7 +270,7 @@ def ansi_pad(colored_empty: str) -> int:
 
 
 def _happened_buggy(report: dict, opts: Options) -> list[str]:
-    c, limit, bug = report["correct"], opts.limit, report["bug"]["name"]
+    c, limit, bug = report["correct"], opts.limit, opts.bug
     got, want = report["clipped_norm"], c["clipped_norm"]
     if report["max_abs_error"] == 0.0:
         return ["On this data the bug gives exactly the correct result: it needs other data or more ranks."]
@@ -259,7 +309,7 @@ def _happened_buggy(report: dict, opts: Options) -> list[str]:
         out.append("  not just its length: no optimizer step size can undo that.")
     elif cos is not None:
         out.append("  The direction is unchanged (same scale on every rank); only the length is wrong.")
-    if bug == "per-rank" and limit > 0:
+    if bug == "per-rank" and limit > 0 and opts.mystery is None:
         r = report["ranks"]
         out.append(
             f"  Per-rank clipping bounds each shard by the limit, so the whole gradient only by "

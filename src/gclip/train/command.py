@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from .. import strategies
 from .._lab import plots
-from .._lab.cli import ArgParser, UsageError, check_writable, entry, parse_max_norm, say
+from .._lab.cli import ArgParser, UsageError, check_writable, entry, parse_max_norm, rank_size, say
 from ..layout import Mesh
 from .figure import plot
 from .layout import train_layout
-from .loop import Config, train
+from .loop import Config, train, train_simulated
 from .report import json_report, text_report
 
 __all__ = ["DESCRIPTION", "MAX_STEPS", "PROG", "main"]
@@ -52,6 +52,19 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "number (finite, > 0)"
 
 
+MAX_SIMULATED = 64
+
+
+def _simulated_ranks(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_SIMULATED:
+        raise ValueError(text)
+    return value
+
+
+_simulated_ranks.__name__ = f"rank count (1..{MAX_SIMULATED})"
+
+
 def _bug(text: str) -> str:
     if text not in strategies.STRATEGIES or strategies.STRATEGIES[text].correct:
         names = ", ".join(b.name for b in strategies.BUGS)
@@ -73,6 +86,12 @@ def _parser() -> ArgParser:
         metavar="NAME",
         help="clip with a gallery bug (alone: per-rank) and compare with the correct run",
     )
+    p.add_argument(
+        "--ranks",
+        type=_simulated_ranks,
+        metavar="R",
+        help="simulate R ranks in this one process, without mpirun (the same clip engine; no MPI needed)",
+    )
     p.add_argument("--reproducible", action="store_true", help="the same bits for any rank count and layout")
     p.add_argument("--layout", metavar="AXES", help="lay the MLP out over pp, dp and tp, e.g. pp=2,dp=2,tp=2")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
@@ -90,22 +109,26 @@ def _check_plot_path(path: str) -> None:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.ranks is not None:
+        if args.layout:
+            raise UsageError(
+                "--layout needs real ranks: run it under mpirun (e.g. mpirun -n 8), without --ranks"
+            )
+        real = rank_size()[1]
+        if real > 1:
+            raise UsageError(
+                f"--ranks simulates ranks in one process, but this runs on {real} real ranks: "
+                "drop --ranks, or drop mpirun"
+            )
     if args.plot:
         _check_plot_path(args.plot)
+    if args.ranks is not None:
+        return _simulated(args)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     mode = args.buggy or "global"
-    strategy = strategies.get(mode)
-    config = Config(
-        steps=args.steps,
-        seed=args.seed,
-        lr=args.lr,
-        max_norm=args.max_norm,
-        reproducible=args.reproducible,
-        norm_type=strategy.norm_type or 2.0,
-        layout=args.layout,
-    )
+    config = _config(args)
     if args.layout:
         mesh = Mesh.parse(comm, args.layout)
         runs = [train_layout(config, mode, mesh)]
@@ -116,16 +139,43 @@ def _main(argv: Sequence[str] | None) -> int:
         runs = [train(config, mode, comm)]
         if args.buggy:
             runs.append(train(config, "global", comm))
-    ranks = comm.Get_size()
+    _report(args, runs, config, comm.Get_size())
+    return 0
+
+
+def _config(args: argparse.Namespace, simulated: bool = False) -> Config:
+    strategy = strategies.get(args.buggy or "global")
+    return Config(
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        max_norm=args.max_norm,
+        reproducible=args.reproducible,
+        norm_type=strategy.norm_type or 2.0,
+        layout=args.layout,
+        simulated=simulated,
+    )
+
+
+def _simulated(args: argparse.Namespace) -> int:
+    """``--ranks R``: the same training on R simulated ranks, in this one process."""
+    config = _config(args, simulated=True)
+    runs = [train_simulated(config, args.buggy or "global", args.ranks)]
+    if args.buggy:
+        runs.append(train_simulated(config, "global", args.ranks))
+    _report(args, runs, config, args.ranks)
+    return 0
+
+
+def _report(args: argparse.Namespace, runs: list, config: Config, ranks: int) -> None:
     if args.json:
         say(json_report(runs, config, ranks))
     else:
         text_report(runs, config, ranks)
-    if args.plot and comm.Get_rank() == 0:
+    if args.plot and rank_size()[0] == 0:
         plot(args.plot, runs, config, ranks)
         if not args.json:
             say(f"wrote {args.plot}")
-    return 0
 
 
 main = entry(PROG, _main)

@@ -25,11 +25,13 @@ def plot(path: str, runs: list[Run], config: Config, ranks: int) -> None:
     styles = {"global": ("tab:blue", "-")}
     for run in reversed(runs):
         colour, line = styles.get(run.mode, ("tab:red", "--"))
-        label = f"{run.mode}: clipped on {run.clipped_steps}/{config.steps} steps, "
-        label += f"final loss {run.final_loss:.4f}"
+        label = f"{run.mode}: update above max_norm on {run.steps_above(config.max_norm)}/{config.steps} "
+        label += f"steps, final loss {run.final_loss:.4f}"
         steps = np.arange(len(run.losses))
         top.plot(steps, run.losses, line, color=colour, lw=2, label=label)
-        middle.plot(steps, run.update_norms, line, color=colour, lw=1.5, label=run.mode, zorder=3)
+        middle.plot(
+            steps, run.update_norms, line, color=colour, lw=1.5, label=f"{run.mode}: update", zorder=3
+        )
         cosines = [math.nan if c is None else c for c in run.cosines]  # undefined: a gap in the line
         bottom.plot(steps, cosines, line, color=colour, lw=1.5, label=run.mode)
     middle.axhline(config.max_norm, color="grey", lw=1, ls=":", label=f"max_norm = {config.max_norm:g}")
@@ -44,7 +46,9 @@ def plot(path: str, runs: list[Run], config: Config, ranks: int) -> None:
         title += ": a bug that oversteps the limit (middle) may even fall faster"
     top.set_title(title, fontsize=10)
     middle.set_ylabel("norm")
-    middle.set_title("norm of the whole update applied: clipping promises <= max_norm", fontsize=10)
+    middle.set_title(
+        "global norm of the whole update applied (after clipping): clipping promises <= max_norm", fontsize=10
+    )
     bottom.set_ylabel("cosine")
     bottom.set_title("cos(update applied, raw gradient): 1 = direction kept", fontsize=10)
     bottom.set_xlabel("step")
@@ -54,7 +58,8 @@ def plot(path: str, runs: list[Run], config: Config, ranks: int) -> None:
     model = Model()
     fig.suptitle(
         f"gclip.train: MLP {model.inputs}-{model.hidden}-{model.classes}, weights sharded over {ranks} "
-        f"rank(s), lr {config.lr:g}, seed {config.seed}"
+        f"{'simulated ' if config.simulated else ''}rank{'s' * (ranks != 1)}, lr {config.lr:g}, "
+        f"seed {config.seed}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

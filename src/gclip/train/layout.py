@@ -22,11 +22,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._lab.vectors import cosine, vector_norm
 from ..clip import clip_by_global_norm
 from ..errors import GclipValueError
 from ..layout import Mesh, Placement
-from .loop import Config, Run
+from .loop import Config, Recorder, Run
 from .model import Model, init_params, loss_and_grad, make_data
 
 __all__ = ["Piece", "pieces", "train_layout"]
@@ -77,7 +76,7 @@ def train_layout(config: Config, mode: str, mesh: Mesh) -> Run:
     mine = pieces(mesh, model)
     params = [start[p.name][p.cut].copy() for p in mine]  # all this rank keeps
     entries = [p.replicated for p in mine]
-    losses, norms, updates, cosines, clipped = [], [], [], [], []
+    record = Recorder(mode, comm.Get_size(), config.norm_type)
     for _ in range(config.steps):
         flat, b2 = _assemble(comm, mine, params, model)
         loss, grad, gb2 = loss_and_grad(flat, b2, x, y, model)
@@ -97,13 +96,10 @@ def train_layout(config: Config, mode: str, mesh: Mesh) -> Run:
         update = np.concatenate([applied_flat, applied_b2])
         for param, g in zip(params, grads):
             param -= config.lr * g
-        losses.append(loss)
-        norms.append(result.total_norm)
-        updates.append(vector_norm(update, config.norm_type))
-        cosines.append(cosine(update, np.concatenate([grad, gb2])))
-        clipped.append(any(comm.allgather(result.clipped)))
+        told = comm.allgather((result.total_norm, result.clipped))
+        record.step(loss, told, update, np.concatenate([grad, gb2]))
     flat, b2 = _assemble(comm, mine, params, model)
-    return Run(mode, losses, loss_and_grad(flat, b2, x, y, model)[0], norms, updates, cosines, clipped)
+    return record.run(loss_and_grad(flat, b2, x, y, model)[0])
 
 
 def _assemble(

@@ -9,31 +9,58 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._lab.vectors import cosine, vector_norm
-from ..clip import clip_by_global_norm
+from ..clip import clip_by_global_norm, clip_simulated
 from .model import Model, init_params, loss_and_grad, make_data, shard_bounds
 
-__all__ = ["Config", "Run", "departs_at", "digest", "train"]
+__all__ = ["Config", "Recorder", "Run", "departs_at", "digest", "train", "train_simulated"]
 
 
 class Run(NamedTuple):
     """One training run, as rank 0 saw it.
 
     Under a correct clip every rank sees the same numbers. Under a per-rank bug
-    the ranks scale the replicated bias differently, so its copies drift apart,
-    as they would in a real job; rank 0's view is reported.
+    each rank clips by a norm of its own, and the ranks scale the replicated
+    bias differently, so its copies drift apart, as they would in a real job;
+    the loss is rank 0's view.
     """
 
     mode: str
     losses: list[float]  # loss before each step's update
     final_loss: float  # loss after the last update
-    grad_norms: list[float]  # the norm the clip used (rank 0's, for per-rank bugs)
+    norms_used: list[list[float]]  # per step, the norm each rank's clip used (rank order)
+    true_norms: list[float]  # per step, the global norm of the gradient the ranks clipped (bias once)
     update_norms: list[float]  # the true global norm of the (clipped) gradient applied
     cosines: list[float | None]  # cos(applied update, raw gradient): 1 = direction kept; None: undefined
-    clipped: list[bool]  # True when any rank scaled its gradient down
+    ranks_scaled: list[int]  # per step, how many ranks scaled their part down (scale < 1)
+    ranks: int
+
+    @property
+    def clipped(self) -> list[bool]:
+        """Per step: at least one rank scaled its part of the update down."""
+        return [k > 0 for k in self.ranks_scaled]
 
     @property
     def clipped_steps(self) -> int:
+        """Steps on which at least one rank scaled its part down."""
         return sum(self.clipped)
+
+    @property
+    def scaled_everywhere_steps(self) -> int:
+        """Steps on which every rank scaled its part down."""
+        return sum(k == self.ranks for k in self.ranks_scaled)
+
+    @property
+    def norms_used_rank0(self) -> list[float]:
+        return [n[0] for n in self.norms_used]
+
+    @property
+    def same_norm_on_all_ranks(self) -> bool:
+        """Every rank clipped by the same norm on every step (the correct clip, most bugs)."""
+        return all(len(set(n)) == 1 for n in self.norms_used)
+
+    def steps_above(self, max_norm: float) -> int:
+        """Steps whose applied update is longer than ``max_norm`` (beyond rounding)."""
+        return sum(u > max_norm * (1 + 1e-9) for u in self.update_norms)
 
 
 class Config(NamedTuple):
@@ -44,6 +71,45 @@ class Config(NamedTuple):
     reproducible: bool
     norm_type: float
     layout: str | None = None  # e.g. "pp=2,dp=2,tp=2"; None: flat slices, one per rank
+    simulated: bool = False  # the ranks were simulated in one process (--ranks)
+
+
+class Recorder:
+    """What a training loop reports, one step at a time (shared by every trainer)."""
+
+    def __init__(self, mode: str, ranks: int, norm_type: float) -> None:
+        self.mode, self.ranks, self.p = mode, ranks, norm_type
+        self.losses: list[float] = []
+        self.norms: list[list[float]] = []
+        self.true: list[float] = []
+        self.updates: list[float] = []
+        self.cosines: list[float | None] = []
+        self.scaled: list[int] = []
+
+    def step(
+        self, loss: float, told: Sequence[tuple[float, bool]], update: np.ndarray, raw: np.ndarray
+    ) -> None:
+        """``told``: (the norm used, scaled down?) of each rank; ``update``, ``raw``: the whole
+        gradient applied and the whole gradient the ranks clipped."""
+        self.losses.append(loss)
+        self.norms.append([float(n) for n, _ in told])
+        self.scaled.append(sum(bool(c) for _, c in told))
+        self.true.append(vector_norm(raw, self.p))
+        self.updates.append(vector_norm(update, self.p))
+        self.cosines.append(cosine(update, raw))
+
+    def run(self, final_loss: float) -> Run:
+        return Run(
+            self.mode,
+            self.losses,
+            final_loss,
+            self.norms,
+            self.true,
+            self.updates,
+            self.cosines,
+            self.scaled,
+            self.ranks,
+        )
 
 
 def train(config: Config, mode: str, comm: Any) -> Run:
@@ -56,13 +122,13 @@ def train(config: Config, mode: str, comm: Any) -> Run:
     counts, displs = shard_bounds(model.flat_size, comm.Get_size())
     lo = displs[comm.Get_rank()]
     mine = flat[lo : lo + counts[comm.Get_rank()]].copy()  # this rank's slice: all it keeps
-    gathered, applied = np.empty(model.flat_size), np.empty(model.flat_size)
-    losses, norms, updates, cosines, clipped = [], [], [], [], []
-    flag = np.zeros(1, dtype=np.int32)
+    gathered, applied, clipped_in = (np.empty(model.flat_size) for _ in range(3))
+    record = Recorder(mode, comm.Get_size(), config.norm_type)
     for _ in range(config.steps):
         comm.Allgatherv(mine, [gathered, counts, displs, MPI.DOUBLE])
         loss, grad, raw_b2 = loss_and_grad(gathered, b2, x, y, model)
-        shard, gb2 = grad[lo : lo + mine.size].copy(), raw_b2.copy()
+        raw_shard = grad[lo : lo + mine.size].copy()
+        shard, gb2 = raw_shard.copy(), raw_b2.copy()
         result = clip_by_global_norm(
             [shard, gb2],
             config.max_norm,
@@ -73,22 +139,56 @@ def train(config: Config, mode: str, comm: Any) -> Run:
             replicated=[False, True],
             inplace=True,
         )
-        any_clipped = np.zeros(1, dtype=np.int32)
-        flag[0] = result.clipped
-        comm.Allreduce(flag, any_clipped, op=MPI.MAX)
-        # diagnostics only: the whole update as applied, gathered (a copy, so the same on every rank)
+        # diagnostics only: what each rank used, the whole update as applied and the whole
+        # gradient as clipped, gathered (copies, so the same on every rank)
+        told = comm.allgather((result.total_norm, result.clipped))
         comm.Allgatherv(shard, [applied, counts, displs, MPI.DOUBLE])
-        update, raw = np.concatenate([applied, gb2]), np.concatenate([grad, raw_b2])
+        comm.Allgatherv(raw_shard, [clipped_in, counts, displs, MPI.DOUBLE])
         mine -= config.lr * shard
         b2 = b2 - config.lr * gb2
-        losses.append(loss)
-        norms.append(result.total_norm)
-        updates.append(vector_norm(update, config.norm_type))
-        cosines.append(cosine(update, raw))
-        clipped.append(bool(any_clipped[0]))
+        record.step(loss, told, np.concatenate([applied, gb2]), np.concatenate([clipped_in, raw_b2]))
     comm.Allgatherv(mine, [gathered, counts, displs, MPI.DOUBLE])
-    final = loss_and_grad(gathered, b2, x, y, model)[0]
-    return Run(mode, losses, final, norms, updates, cosines, clipped)
+    return record.run(loss_and_grad(gathered, b2, x, y, model)[0])
+
+
+def train_simulated(config: Config, mode: str, ranks: int) -> Run:
+    """:func:`train` on ``ranks`` simulated ranks in this one process (``--ranks``, no MPI).
+
+    Each simulated rank keeps its own copy of the replicated bias (a per-rank
+    bug makes them drift apart, as on real ranks) and computes the gradient from
+    it; ``gclip.clip_simulated`` clips all of them with the library's engine.
+    Under ``--reproducible`` the losses have the bits of the real ranks' run.
+    """
+    model = Model()
+    x, y = make_data(config.seed)
+    flat, b2 = init_params(config.seed, model)
+    counts, displs = shard_bounds(model.flat_size, ranks)
+    cuts = [slice(d, d + c) for c, d in zip(counts, displs)]
+    b2s = [b2.copy() for _ in range(ranks)]
+    record = Recorder(mode, ranks, config.norm_type)
+    for _ in range(config.steps):
+        seen: dict[bytes, tuple[float, np.ndarray, np.ndarray]] = {}  # ranks with equal copies: one pass
+        for copy in b2s:
+            if copy.tobytes() not in seen:
+                seen[copy.tobytes()] = loss_and_grad(flat, copy, x, y, model)
+        views = [seen[copy.tobytes()] for copy in b2s]
+        raw = [views[r][1][cuts[r]].copy() for r in range(ranks)]
+        results = clip_simulated(
+            [[raw[r].copy(), views[r][2].copy()] for r in range(ranks)],
+            config.max_norm,
+            mode=mode,
+            norm_type=config.norm_type,
+            reproducible=config.reproducible,
+            replicated=[False, True],
+        )
+        shards = [res.grads[0] for res in results]
+        update = np.concatenate([*shards, results[0].grads[1]])
+        for r, res in enumerate(results):
+            flat[cuts[r]] -= config.lr * shards[r]
+            b2s[r] = b2s[r] - config.lr * res.grads[1]
+        told = [(res.total_norm, res.clipped) for res in results]
+        record.step(views[0][0], told, update, np.concatenate([*raw, views[0][2]]))
+    return record.run(loss_and_grad(flat, b2s[0], x, y, model)[0])
 
 
 def departs_at(a: Sequence[float], b: Sequence[float]) -> int | None:

@@ -1,0 +1,13 @@
+"""Distributed mystery B: what is wrong with this clip? Predict, then ask the judge:
+
+    python -m gclip.conformance lab/distributed/mystery_b.py:clip --ranks 4
+"""
+
+import numpy as np
+
+
+def clip(grads, max_norm, comm):
+    local = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in grads)))
+    norm = comm.bcast(local, root=0)  # the norm logged on rank 0, shared with everyone
+    scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
+    return [g * scale for g in grads]

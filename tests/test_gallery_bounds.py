@@ -1,0 +1,290 @@
+"""Every bound the gallery's explanations state holds on the demo's data, on 2..8 simulated ranks.
+
+The explanations are what the demo and the judge print under "Why:". Each one
+that states a bound or a relation between the norm a bug uses and the true
+global norm is checked here, on the demo's own data (``--seed`` 0 and a few
+other seeds, with and without the replicated bias), by running the bug with
+``gclip.clip_simulated`` and comparing with an oracle computed independently
+from the shards: ``math.fsum`` of squares, numpy norms, hand-derived formulas.
+Each test also checks that the sentence it guards is still the one the gallery
+prints, so an edited explanation cannot drift from its check.
+
+The layout bugs' quantitative claims are checked the same way on the lab's
+transformer laid out over simulated meshes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gclip
+from gclip import Mesh, demo
+from gclip._lab import transformer
+from gclip.strategies import LAYOUT_BUG_NAMES, STRATEGIES
+
+RANKS = range(2, 9)
+SEEDS = (0, 1, 2, 3, 7)
+LIMIT = 1.0
+BIAS = np.array([30.0, -40.0])  # the demo's replicated tensor (norm 50)
+
+
+class Data:
+    """The demo's gradient on R ranks, and the oracle's numbers for it."""
+
+    def __init__(self, seed: int, ranks: int, bias: bool):
+        self.ranks = ranks
+        self.shards = [demo.random_shard(seed, r, demo.options.DEFAULT_SIZE) for r in range(ranks)]
+        self.bias = BIAS.copy() if bias else None
+        sq = [math.fsum(float(v) * float(v) for v in s) for s in self.shards]
+        self.bias_sq = math.fsum(float(v) ** 2 for v in BIAS) if bias else 0.0
+        self.local = [math.sqrt(sq[0] + self.bias_sq)] + [math.sqrt(x) for x in sq[1:]]  # counted once
+        self.own = [math.sqrt(x + self.bias_sq) for x in sq]  # each rank's shard and its bias copy
+        self.local_sq = [sq[0] + self.bias_sq, *sq[1:]]
+        self.norm = math.sqrt(math.fsum(sq) + self.bias_sq)
+        self.count = sum(s.size for s in self.shards) + (BIAS.size if bias else 0)
+        self.original = np.concatenate(self.shards + ([self.bias] if bias else []))
+
+    def run(self, mode: str, norm_type: float = 2.0) -> tuple[list, np.ndarray]:
+        grads = [[s.copy()] + ([self.bias.copy()] if self.bias is not None else []) for s in self.shards]
+        flags = [False, True] if self.bias is not None else [False]
+        res = gclip.clip_simulated(grads, LIMIT, mode=mode, norm_type=norm_type, replicated=flags)
+        parts = [r.grads[0] for r in res] + ([res[0].grads[1]] if self.bias is not None else [])
+        return res, np.concatenate(parts)
+
+
+CASES = [(seed, r, bias) for seed in SEEDS for r in RANKS for bias in (True, False)]
+IDS = [f"seed{s}-R{r}-{'bias' if b else 'nobias'}" for s, r, b in CASES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def data(request) -> Data:
+    return Data(*request.param)
+
+
+def says(name: str, *phrases: str) -> None:
+    """The explanation still states what the test checks."""
+    text = " ".join(STRATEGIES[name].explanation.split())
+    for phrase in phrases:
+        assert phrase in text, (name, phrase, text)
+
+
+def norm(x: np.ndarray) -> float:
+    return float(np.linalg.norm(x))
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_per_rank(data):
+    says("per-rank", "each shard ends at most at the limit", "reaches sqrt(R) x limit", "direction changes")
+    res, clipped = data.run("per-rank")
+    for r, got in enumerate(res):
+        assert got.total_norm == pytest.approx(data.own[r], rel=1e-12)  # its own shard (and bias copy)
+        own = np.concatenate(list(got.grads))
+        assert norm(own) <= LIMIT * (1 + 1e-12)  # each shard ends at most at the limit
+    assert norm(clipped) <= math.sqrt(data.ranks) * LIMIT * (1 + 1e-12)
+    if data.bias is None:  # every shard is far above the limit: the bound is reached
+        assert norm(clipped) == pytest.approx(math.sqrt(data.ranks) * LIMIT, rel=1e-12)
+    assert len({r.scale for r in res}) > 1  # the shards' norms differ, so do the scales...
+    assert cos(clipped, data.original) < 1 - 1e-6  # ...and the direction changed
+
+
+def test_rms(data):
+    says("rms", "sqrt(N) times smaller than the norm", "clipped far too little")
+    res, clipped = data.run("rms")
+    assert res[0].total_norm == pytest.approx(data.norm / math.sqrt(data.count), rel=1e-12)
+    # the norm read is above the limit here, so the clip lets sqrt(N) x limit through
+    assert norm(clipped) == pytest.approx(min(data.norm, math.sqrt(data.count) * LIMIT), rel=1e-12)
+    assert norm(clipped) > 10 * LIMIT
+
+
+def test_sum_of_norms(data):
+    says("sum-of-norms", "sqrt(a^2 + b^2) <= a + b", "(up to sqrt(R) times)", "clipped too hard")
+    res, clipped = data.run("sum-of-norms")
+    used = res[0].total_norm
+    assert used == pytest.approx(math.fsum(data.local), rel=1e-12)
+    assert data.norm < used <= math.sqrt(data.ranks) * data.norm * (1 + 1e-12)
+    assert norm(clipped) < LIMIT
+
+
+def test_mean_of_norms(data):
+    says("mean-of-norms", "between sqrt(R) and R times below the global norm", "clips too little")
+    res, clipped = data.run("mean-of-norms")
+    used = res[0].total_norm
+    assert used == pytest.approx(math.fsum(data.local) / data.ranks, rel=1e-12)
+    r = data.ranks
+    assert data.norm / r * (1 - 1e-12) <= used <= data.norm / math.sqrt(r) * (1 + 1e-12)
+    assert norm(clipped) > LIMIT
+
+
+def test_rank0_norm(data):
+    says("rank0-norm", "The scale is the same everywhere", "computed from one shard", "clipped too little")
+    res, clipped = data.run("rank0-norm")
+    assert {r.scale for r in res} == {res[0].scale}
+    assert res[0].total_norm == pytest.approx(data.local[0], rel=1e-12)
+    assert res[0].total_norm < data.norm
+    assert norm(clipped) > LIMIT
+
+
+def test_max_of_norms(data):
+    says("max-of-norms", "largest shard norm is below the global norm whenever another shard is non-zero")
+    res, clipped = data.run("max-of-norms")
+    assert res[0].total_norm == pytest.approx(max(data.local), rel=1e-12)
+    assert res[0].total_norm < data.norm  # every other shard is non-zero here
+    assert norm(clipped) > LIMIT
+
+
+def test_epsilon(data):
+    says("epsilon", "moves every scale by ~1e-6/norm", "slightly below the limit")
+    res, clipped = data.run("epsilon")
+    assert res[0].total_norm == pytest.approx(data.norm, rel=1e-12)
+    right = LIMIT / data.norm
+    shift = (right - res[0].scale) / right  # relative: 1e-6 / (norm + 1e-6)
+    assert shift == pytest.approx(1e-6 / data.norm, rel=1e-3)
+    assert LIMIT * (1 - 2e-6 / data.norm) < norm(clipped) < LIMIT
+
+
+def test_double_count(data):
+    says("double-count", "enter the all-reduce R times", "counted R times over")
+    res, _ = data.run("double-count")
+    # the bias's squares counted on every rank: R times instead of once
+    want = math.sqrt(data.norm**2 + (data.ranks - 1) * data.bias_sq)
+    assert res[0].total_norm == pytest.approx(want, rel=1e-12)
+    if data.bias is not None:
+        assert res[0].total_norm > data.norm
+
+
+def test_inf_pow(data):
+    says("inf-pow", "the inf-norm always reads 1", "as if its largest entry were 1")
+    res, clipped = data.run("inf-pow", norm_type=math.inf)
+    assert {r.total_norm for r in res} == {1.0}
+    # limit 1 and a norm read as 1: scale 1, so the largest entry stays what it was
+    assert float(np.max(np.abs(clipped))) == float(np.max(np.abs(data.original)))
+    assert float(np.max(np.abs(data.original))) > LIMIT
+
+
+def test_fp16_sumsq(data):
+    says("fp16-sumsq", "overflows at 65504", "becomes inf", "the scale max_norm / inf becomes 0")
+    res, clipped = data.run("fp16-sumsq")
+    biggest = max(data.local_sq)
+    if biggest > 65504 * 1.05:  # a rank's sum of squares is far past float16's largest value
+        assert {r.total_norm for r in res} == {math.inf}
+        assert not np.any(clipped)  # wiped out
+    elif biggest < 65504 * 0.95:
+        assert math.isfinite(res[0].total_norm)
+        assert res[0].total_norm == pytest.approx(data.norm, rel=1e-2)  # only float16 rounding
+
+
+def test_every_combine_bug_has_a_check():
+    checked = {name.removeprefix("test_").replace("_", "-") for name in globals() if name.startswith("test_")}
+    assert {b.name for b in gclip.BUGS} <= checked
+
+
+# ---------------------------------------------------------------------------
+# the layout bugs, on the lab's transformer over simulated meshes
+
+
+LAYOUTS = [
+    dict(dp=2),
+    dict(dp=3),
+    dict(pp=2, dp=2),
+    dict(dp=2, tp=2),
+    dict(dp=5),
+    dict(dp=2, tp=3),
+    dict(dp=7),
+    dict(pp=2, dp=2, tp=2),
+    dict(tp=2),
+    dict(tp=3),
+    dict(tp=4),
+    dict(pp=2, tp=3),
+    dict(tp=8),
+    dict(pp=2),
+    dict(pp=3),
+    dict(pp=2, tp=2),
+    dict(pp=4, dp=2),
+    dict(ep=2),
+    dict(ep=3),
+    dict(dp=2, ep=2),
+    dict(ep=6),
+    dict(dp=2, ep=2, tp=2),
+]
+
+
+def _size(axes: dict) -> int:
+    return math.prod(axes.values())
+
+
+def _layout_norms(axes: dict, bug: str | None) -> tuple[float, float, dict[str, float]]:
+    """(the norm the bug's declarations give, the model's true norm, each tensor's sum of
+    squares), on simulated ranks; the truth from the model's definition, each tensor once."""
+    size = _size(axes)
+    placements = None
+    if bug is not None:
+        placements = {pl: LAYOUT_BUG_NAMES[bug].declare(pl) for pl in transformer.PLACEMENTS}
+    ranks, entries = [], []
+    omit = LAYOUT_BUG_NAMES[bug].omit if bug else None
+    for r in range(size):
+        arrays, reps, _, mine = transformer.clip_arguments(Mesh((r, size), **axes), np.float64, placements)
+        if omit in axes:
+            keep = [i for i in range(len(mine)) if omit not in mine[i].placement.sharded]
+            arrays, reps = [arrays[i] for i in keep], [reps[i] for i in keep]
+        ranks.append(arrays)
+        entries.append(reps)
+    used = gclip.clip_simulated(ranks, 1.0, replicated=entries)[0].total_norm
+    whole = transformer.model_shapes("ep" in axes)
+    squares = {
+        n: math.fsum(float(v) ** 2 for v in transformer.full_tensor(n, s).ravel()) for n, s in whole.items()
+    }
+    return used, math.sqrt(math.fsum(squares.values())), squares
+
+
+def _layouts(axis: str) -> list[dict]:
+    return [a for a in LAYOUTS if a.get(axis, 1) > 1 and 2 <= _size(a) <= 8]
+
+
+def _explains(name: str, *phrases: str) -> None:
+    text = " ".join(LAYOUT_BUG_NAMES[name].explanation.split())
+    for phrase in phrases:
+        assert phrase in text, (name, phrase)
+
+
+@pytest.mark.parametrize("axes", _layouts("dp"), ids=str)
+def test_dp_replicas_summed(axes):
+    _explains("dp-replicas-summed", "sqrt(dp) times too large", "clipped too hard")
+    used, true, _ = _layout_norms(axes, "dp-replicas-summed")
+    assert used == pytest.approx(math.sqrt(axes["dp"]) * true, rel=1e-12)
+
+
+@pytest.mark.parametrize("axes", _layouts("tp"), ids=str)
+def test_tp_duplicates_summed(axes):
+    _explains("tp-duplicates-summed", "counts them tp times", "inflated")
+    used, true, squares = _layout_norms(axes, "tp-duplicates-summed")
+    dup = math.fsum(v for n, v in squares.items() if n.endswith(("ln1", "ln2", "final_ln", "router")))
+    assert used == pytest.approx(math.sqrt(true**2 + (axes["tp"] - 1) * dup), rel=1e-12)
+    assert used > true
+
+
+@pytest.mark.parametrize("axes", _layouts("tp"), ids=str)
+def test_tp_rank0_only(axes):
+    _explains("tp-rank0-only", "the norm is too small", "clipped too little")
+    used, true, _ = _layout_norms(axes, "tp-rank0-only")
+    assert used < true
+
+
+@pytest.mark.parametrize("axes", _layouts("pp"), ids=str)
+def test_tied_counted_twice(axes):
+    _explains("tied-counted-twice", "adds its squares twice and inflates the norm")
+    used, true, squares = _layout_norms(axes, "tied-counted-twice")
+    assert used == pytest.approx(math.sqrt(true**2 + squares["embed"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("axes", _layouts("ep"), ids=str)
+def test_experts_left_out(axes):
+    _explains("experts-left-out", "it is too small", "clipped too little")
+    used, true, squares = _layout_norms(axes, "experts-left-out")
+    experts = math.fsum(v for n, v in squares.items() if ".experts." in n)
+    assert used == pytest.approx(math.sqrt(true**2 - experts), rel=1e-12)
