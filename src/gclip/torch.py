@@ -138,7 +138,7 @@ def _mpi_world() -> Any:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    launched = clip.launched_size() if world.Get_size() == 1 else None
+    launched = _validate.launched_size() if world.Get_size() == 1 else None
     if launched is not None:
         n, why = launched
         raise GclipError(
