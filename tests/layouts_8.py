@@ -72,12 +72,12 @@ def main() -> None:
     # a replica that drifted: rank 6's copy of a layer norm (held by ranks 4..7 under pp=2,dp=2,tp=2)
     mesh = Mesh(comm, pp=2, dp=2, tp=2)
     arrays, entries, names, _ = transformer.clip_arguments(mesh)
-    gclip.layout.check_replicas(arrays, replicated=entries, names=names)  # all copies agree
+    gclip.check_replicas(arrays, replicated=entries, names=names)  # all copies agree
     if comm.rank == 6:
         target = next(i for i, n in enumerate(names) if n.endswith(".ln2"))
         arrays[target][3] += 1e-9
     try:
-        gclip.layout.check_replicas(arrays, replicated=entries, names=names)
+        gclip.check_replicas(arrays, replicated=entries, names=names)
         message = "no error"
     except gclip.GclipValueError as exc:
         message = str(exc)

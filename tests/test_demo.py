@@ -21,8 +21,9 @@ import pytest
 
 import gclip
 from gclip import demo
-from gclip._cli import UsageError
+from gclip._lab.cli import UsageError
 from gclip.contract import rounded, seed_checks
+from gclip.demo.options import DEFAULT_REPLICATED
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
@@ -51,7 +52,7 @@ def demo_run(n: int, *args: str, env: dict | None = None) -> subprocess.Complete
 BATCH = r"""
 import contextlib, io, json, sys
 from mpi4py import MPI
-from gclip import demo
+from gclip.demo import command
 world = MPI.COMM_WORLD
 alone = world.Split(world.Get_rank(), 0)
 out = {}
@@ -61,7 +62,7 @@ for cid, n, argv in cases:
     assert n in (1, world.Get_size()), (cid, n)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        demo._main(argv, comm)
+        command._main(argv, comm)
     if world.Get_rank() == 0:
         out[cid] = buf.getvalue()
 if world.Get_rank() == 0:
@@ -117,7 +118,7 @@ def test_seed_checks_through_json_shards():
     cases, want = [], {}
     oracles = {(w, n): oracle(w, n) for w in ("broken", "attempt") for n in range(1, 6)}
     for n, c in seed_cases():
-        base = ["--json", "--shards", json.dumps(c.shards), "--limit", repr(c.limit)]
+        base = ["--json", "--shards", json.dumps(c.shards), "--max-norm", repr(c.limit)]
         key = f"{n}:{c.label}"
         runs = {
             "global": ([], c.expected),
@@ -149,13 +150,13 @@ def test_seed_checks_through_the_real_command_line():
     ]:
         c = seed_checks(n)[idx]
         proc = demo_run(
-            len(c.shards), "--json", "--shards", json.dumps(c.shards), "--limit", str(c.limit), *flags
+            len(c.shards), "--json", "--shards", json.dumps(c.shards), "--max-norm", str(c.limit), *flags
         )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         expected = c.expected if which is None else oracle(which, n)[c.label]["actual"]
         assert out["clipped"] == expected
-    c = seed_checks(5)[1]
+    c = seed_checks(5)[1]  # through the flag's old name, --limit, kept as a hidden alias
     proc = demo_run(2, "--json", "--buggy", "rms", "--shards", json.dumps(c.shards), "--limit", str(c.limit))
     assert json.loads(proc.stdout)["clipped"] == oracle("attempt", 5)[c.label]["actual"]
 
@@ -196,7 +197,7 @@ def test_buggy_text_shows_both_runs_side_by_side():
 @needs_mpi
 @pytest.mark.slow
 def test_json_shape_and_its_arithmetic():
-    proc = demo_run(2, "--json", "--size", "5", "--seed", "3", "--limit", "2.5")
+    proc = demo_run(2, "--json", "--size", "5", "--seed", "3", "--max-norm", "2.5")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
@@ -280,10 +281,11 @@ BAD = {
     "not JSON": ["--shards", "[[1],[2]"],
     "nested": ["--shards", "[[1],[[2]]]"],
     "not lists": ["--shards", "[1, 2]"],
-    "limit negative": ["--limit", "-1"],
-    "limit NaN": ["--limit", "nan"],
-    "limit inf": ["--limit", "inf"],
-    "limit word": ["--limit", "one"],
+    "limit negative": ["--max-norm", "-1"],
+    "limit negative, old flag": ["--limit", "-1"],
+    "limit NaN": ["--max-norm", "nan"],
+    "limit inf": ["--max-norm", "inf"],
+    "limit word": ["--max-norm", "one"],
     "unknown flag": ["--bogus"],
     "unknown bug": ["--buggy", "nope"],
     "replicated": ["--replicated", '{"a": 1}'],
@@ -315,7 +317,7 @@ def test_bad_input_is_one_line_and_exit_2_on_every_rank():
 def test_extreme_but_valid_values_through_mpirun():
     # huge values overflow a plain sum of squares, tiny ones underflow it: both must clip right
     for shards in ([[1e300, -1e300], [1e300]], [[1e-300, 5e-324], [-1e-300]]):
-        proc = demo_run(2, "--json", "--shards", json.dumps(shards), "--limit", "1e-310")
+        proc = demo_run(2, "--json", "--shards", json.dumps(shards), "--max-norm", "1e-310")
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         big = max(abs(v) for s in shards for v in s)
@@ -356,7 +358,7 @@ def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
 
 
 def test_require_names_the_extra(monkeypatch):
-    from gclip import plots
+    from gclip._lab import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(UsageError, match=r"gclip\[plot\]"):
@@ -414,7 +416,7 @@ def _expect(shards, ranks: int):
 
 def _check(shards_text: str, limit_text: str, ranks: int):
     try:
-        opts = demo.parse_args([f"--shards={shards_text}", f"--limit={limit_text}"], ranks=ranks)
+        opts = demo.parse_args([f"--shards={shards_text}", f"--max-norm={limit_text}"], ranks=ranks)
     except (UsageError, gclip.GclipError) as exc:
         message = str(exc)
         assert message and "\n" not in message and len(message) < 400
@@ -476,6 +478,19 @@ def test_fuzz_parse_of_arbitrary_text(text):
 
 def test_parse_data_defaults():
     shards, limit, reps, p = demo.parse_data(None, "1")
-    assert shards is None and limit == 1.0 and reps == list(demo.DEFAULT_REPLICATED) and p is None
+    assert shards is None and limit == 1.0 and reps == list(DEFAULT_REPLICATED) and p is None
     assert demo.parse_data("[[1, 2]]", "0", None, "inf", ranks=1)[2:] == ([], math.inf)
     assert rounded([1 / 3])[0] == round(1 / 3, 12)
+
+
+def test_the_old_limit_flag_is_a_hidden_alias_of_max_norm():
+    old = demo.parse_args(["--limit", "2.5", "--shards", "[[3, 4]]"], ranks=1)
+    assert old == demo.parse_args(["--max-norm", "2.5", "--shards", "[[3, 4]]"], ranks=1)
+    assert old.limit == 2.5
+    assert demo.parse_args(["--limit=0"], ranks=1).limit == 0.0
+    with pytest.raises(UsageError, match="--max-norm"):
+        demo.parse_args(["--limit", "-1"], ranks=1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gclip.demo", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "--max-norm" in proc.stdout and "--limit" not in proc.stdout

@@ -17,7 +17,7 @@ import pytest
 import gclip
 import layout_oracle
 from conftest import ROOT, mpirun, venv_env
-from gclip import Group, Mesh, layout
+from gclip import Group, Mesh, replicas
 from gclip._lab import transformer
 
 # the 3-D layouts of 8 ranks, and MoE layouts (their own model: experts included)
@@ -144,7 +144,7 @@ def test_mesh_coordinates_put_the_last_axis_fastest():
 
 def test_explain_names_who_counts_what():
     ranks, entries, names, pieces = simulate(8, dict(pp=2, dp=2, tp=2))
-    rows = layout.explain_simulated(ranks, replicated=entries, names=names)
+    rows = replicas.explain_simulated(ranks, replicated=entries, names=names)
     assert math.isclose(math.fsum(r.share for r in rows), 1.0, rel_tol=1e-12)
     assert len(rows) == len(layout_oracle.unique_pieces(pieces))
     embed = [r for r in rows if r.name == "embed"]

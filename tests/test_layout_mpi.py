@@ -105,7 +105,7 @@ def test_a_rank_that_declares_differently_raises_the_same_error_everywhere(comm)
 def test_check_replicas_names_the_replica_that_drifted(comm):
     mesh = Mesh(comm, dp=comm.size)
     arrays, entries, names, _ = transformer.clip_arguments(mesh)
-    gclip.layout.check_replicas(arrays, replicated=entries, names=names)  # copies agree: no error
+    gclip.check_replicas(arrays, replicated=entries, names=names)  # copies agree: no error
     if comm.size == 1:
         mesh.free()
         return
@@ -113,7 +113,7 @@ def test_check_replicas_names_the_replica_that_drifted(comm):
     if comm.rank == drifted:
         arrays[1][0] = np.nextafter(arrays[1][0], np.inf)  # one ulp
     with pytest.raises(gclip.GclipValueError) as info:
-        gclip.layout.check_replicas(arrays, replicated=entries, names=names)
+        gclip.check_replicas(arrays, replicated=entries, names=names)
     messages = comm.allgather(str(info.value))
     agree(comm, len(set(messages)) == 1, str(messages))
     agree(
@@ -134,7 +134,7 @@ def test_a_bad_mesh_is_the_same_error_on_every_rank(comm):
 def test_explain_gives_every_rank_the_same_table(comm):
     mesh = Mesh(comm, dp=1, tp=comm.size) if comm.size in (1, 2, 4) else Mesh(comm, pp=comm.size)
     arrays, entries, names, pieces = transformer.clip_arguments(mesh)
-    rows = gclip.layout.explain(arrays, replicated=entries, names=names)
+    rows = gclip.explain(arrays, replicated=entries, names=names)
     every = comm.allgather([tuple(r) for r in rows])
     agree(comm, all(e == every[0] for e in every), "ranks got different tables")
     unique = layout_oracle.unique_pieces(gathered_pieces(comm, pieces))

@@ -3,8 +3,8 @@
 When a gradient is sharded over R ranks, clipping must use the GLOBAL norm:
 each rank's local sum of squares, one all-reduce, the same scale on every rank.
 
-The core is the modules here (``clip``, ``layout``, ``engine``, ``partials``,
-``strategies``, ``errors``, ``contract``); the lab around it is the
+The core is the modules here (``clip``, ``layout``, ``replicas``, ``engine``,
+``partials``, ``strategies``, ``errors``, ``contract``); the lab around it is the
 subpackages, each run as ``python -m gclip.X``: ``demo``, ``train``,
 ``conformance`` (the judge) and ``bench``.
 """
@@ -20,7 +20,8 @@ from .clip import (
 )
 from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
-from .layout import Group, Mesh, check_replicas, explain
+from .layout import Group, Mesh, Placement
+from .replicas import check_replicas, explain
 from .strategies import BUGS, STRATEGIES
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Group",
     "Mesh",
     "NonFiniteNormError",
+    "Placement",
     "apply_scale",
     "check_replicas",
     "clip_by_global_norm",

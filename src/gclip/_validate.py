@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _kernels
-from .errors import GclipTypeError, GclipValueError
+from .errors import GclipError, GclipTypeError, GclipValueError
 
-__all__ = ["FLOAT_DTYPES", "Grads", "grads", "max_norm", "norm_type", "scale"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "LAUNCHER_SIZE_VARS",
+    "Grads",
+    "communicator",
+    "grads",
+    "launched_size",
+    "max_norm",
+    "norm_type",
+    "scale",
+]
 
 FLOAT_DTYPES = frozenset(np.dtype(t) for t in ("<f2", ">f2", "<f4", ">f4", "<f8", ">f8"))
 _NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
@@ -288,3 +300,54 @@ def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
         and a.strides == b.strides
         and a.dtype == b.dtype
     )
+
+
+# ---------------------------------------------------------------------------
+# the communicator: None means MPI's COMM_WORLD, unless this process is one of several
+
+
+def communicator(comm: Any) -> Any:
+    """The communicator to clip over, or a one-line error (raised alike on every rank)."""
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() == 1:
+            _refuse_lone_rank()
+        return comm
+    if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
+        hint = ""
+        if "torch" in type(comm).__module__:
+            hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
+        raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
+    return comm
+
+
+# launchers that say how many processes they started; MPI seeing one means it was not told
+LAUNCHER_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_size() -> tuple[int, str] | None:
+    """(processes, who says so) when this process was started as one of several, else None."""
+    for var in LAUNCHER_SIZE_VARS:
+        try:
+            n = int(os.environ.get(var, "1"))
+        except ValueError:
+            continue
+        if n > 1:
+            return n, f"{var}={n}"
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_world_size(), f"torch.distributed world size {dist.get_world_size()}"
+    return None
+
+
+def _refuse_lone_rank() -> None:
+    launched = launched_size()
+    if launched is not None:
+        n, why = launched
+        raise GclipError(
+            f"comm=None: MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
+            "would use this process's own norm. Start the job with mpirun, pass comm=, or use "
+            "gclip.torch.clip_grad_norm_ (it takes the torch.distributed group)"
+        )

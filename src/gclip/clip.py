@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _kernels, _validate, engine, layout, partials, strategies
-from .errors import GclipError, GclipTypeError
+from .errors import GclipTypeError
 
 __all__ = [
     "ClipResult",
@@ -161,57 +159,6 @@ def _finish(call: _Call, info: engine.NormInfo) -> ClipResult:
 
 
 # ---------------------------------------------------------------------------
-# the communicator
-
-
-def _world(comm: Any) -> Any:
-    """The communicator to clip over, or a one-line error (raised alike on every rank)."""
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        if comm.Get_size() == 1:
-            _refuse_lone_rank()
-        return comm
-    if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
-        hint = ""
-        if "torch" in type(comm).__module__:
-            hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
-        raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
-    return comm
-
-
-# launchers that say how many processes they started; MPI seeing one means it was not told
-LAUNCHER_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
-
-
-def launched_size() -> tuple[int, str] | None:
-    """(processes, who says so) when this process was started as one of several, else None."""
-    for var in LAUNCHER_SIZE_VARS:
-        try:
-            n = int(os.environ.get(var, "1"))
-        except ValueError:
-            continue
-        if n > 1:
-            return n, f"{var}={n}"
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_world_size(), f"torch.distributed world size {dist.get_world_size()}"
-    return None
-
-
-def _refuse_lone_rank() -> None:
-    launched = launched_size()
-    if launched is not None:
-        n, why = launched
-        raise GclipError(
-            f"comm=None: MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
-            "would use this process's own norm. Start the job with mpirun, pass comm=, or use "
-            "gclip.torch.clip_grad_norm_ (it takes the torch.distributed group)"
-        )
-
-
-# ---------------------------------------------------------------------------
 # the API
 
 
@@ -241,7 +188,7 @@ def global_norm(
         error_if_nonfinite: raise NonFiniteNormError on every rank if the norm is inf or NaN.
         mode: ``"global"``, or the name of a gallery bug (see ``gclip.strategies``).
     """
-    comm = _world(comm)
+    comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     call = _prepare(
         grads,
@@ -288,7 +235,7 @@ def clip_by_global_norm(
     Returns:
         ClipResult with ``grads`` in the layout given, ``total_norm``, ``scale``, ...
     """
-    comm = _world(comm)
+    comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     call = _prepare(
         grads,

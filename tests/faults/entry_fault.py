@@ -1,4 +1,4 @@
-"""Faults inside an entry point built with ``gclip._cli.entry``.
+"""Faults inside an entry point built with ``gclip._lab.cli.entry``.
 
 usage:: mpiexec -n N python entry_fault.py {raise,bad-input,none} [--rank R]
 
@@ -18,11 +18,11 @@ import numpy as np
 from mpi4py import MPI
 
 import gclip
-from gclip import _cli
+from gclip._lab import cli
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = _cli.ArgParser(prog="entry_fault", description=__doc__.splitlines()[0])
+    parser = cli.ArgParser(prog="entry_fault", description=__doc__.splitlines()[0])
     parser.add_argument("fault", choices=["raise", "bad-input", "none"])
     parser.add_argument("--rank", type=int, default=1, help="the rank at fault")
     args = parser.parse_args(argv)
@@ -34,11 +34,11 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.fault == "bad-input":
             grads = np.arange(10)
     result = gclip.clip_by_global_norm(grads, 1.0, comm=comm)
-    _cli.say(f"norm {result.total_norm!r}")
+    cli.say(f"norm {result.total_norm!r}")
     return 0
 
 
-main = _cli.entry("entry_fault", _main)
+main = cli.entry("entry_fault", _main)
 
 if __name__ == "__main__":
     main()

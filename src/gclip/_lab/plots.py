@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._cli import UsageError
+from .cli import UsageError
 
 __all__ = ["COLORS", "MISSING", "bars", "figure", "lines", "require", "save"]
 

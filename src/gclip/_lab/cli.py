@@ -1,0 +1,170 @@
+"""What every lab command shares: flags, one-line errors, the entry point.
+
+- Usage errors (bad flags, bad data) are found by every rank from the same
+  argv, so every rank exits 2 together: no collective is needed to agree, and
+  rank 0 alone prints the one-line message.
+- Errors gclip raised on purpose (``GclipError``) are agreed on by all ranks
+  already: same exit 2, same one line.
+- Anything else is a fault. Under MPI (``abort_job``, the default) that rank
+  prints one line naming itself and aborts the whole job (``MPI_Abort``), so
+  no rank is left waiting in a collective: what ``python -m mpi4py`` does,
+  with one line instead of a traceback. A single process whose exit 1 means
+  something else (the judge: "fails") maps its own faults to exit 3 instead
+  (``internal_error``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from .. import _validate
+from ..errors import GclipError, exception_line
+
+__all__ = [
+    "INTERRUPTED",
+    "ArgParser",
+    "Fault",
+    "UsageError",
+    "abort_job",
+    "check_writable",
+    "color",
+    "entry",
+    "internal_error",
+    "parse_max_norm",
+    "rank_size",
+    "say",
+]
+
+INTERRUPTED = 130  # the shell's code for Ctrl-C (128 + SIGINT)
+
+
+class UsageError(Exception):
+    """Bad command-line input: a one-line message and exit 2 on every rank."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) instead of printing usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+    def print_help(self, file: Any = None) -> None:
+        if rank_size()[0] == 0:
+            super().print_help(file)
+
+
+def rank_size() -> tuple[int, int]:
+    """This process's rank and the job's size, without starting MPI just to ask.
+
+    Before MPI is up (or in a tool that never starts it, like the judge) the
+    launcher's environment says it: Hydra sets PMI_RANK, Open MPI its own.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
+    for rank_var, size_var in _LAUNCHER_ENV:
+        if rank_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ.get(size_var, "1"))
+    return 0, 1
+
+
+_LAUNCHER_ENV = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMIX_RANK", "PMI_SIZE"),
+)
+
+
+def say(*args: Any, **kwargs: Any) -> None:
+    """print() on rank 0 only, flushed (output of ranks interleaves otherwise)."""
+    if rank_size()[0] == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def color(text: str, code: str, stream: Any = None) -> str:
+    """ANSI colour on a TTY only (logs and pipes get plain text); NO_COLOR wins."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or not getattr(stream, "isatty", lambda: False)():
+        return text
+    return f"\033[{code}m{text}\033[0m"
+
+
+# ---------------------------------------------------------------------------
+# checks of flag values
+
+
+def parse_max_norm(text: str, flag: str = "--max-norm") -> float:
+    """The clipping limit from its flag's text: the library's own check, as a usage error."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise UsageError(f"{flag} must be a number, got {shown!a}") from None
+    try:
+        return _validate.max_norm(value, flag)
+    except GclipError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Before any work: a result that cannot be saved is a usage error, not a lost run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag}: cannot write {path!r}: no such writable folder")
+
+
+# ---------------------------------------------------------------------------
+# the entry point
+
+
+Fault = Callable[[str, BaseException], int]
+
+
+def abort_job(prog: str, exc: BaseException) -> NoReturn:
+    """A fault on this rank of an MPI job: one line naming the rank, then end every rank."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    message = "interrupted" if interrupted else exception_line(exc)
+    code = INTERRUPTED if interrupted else 1
+    rank, size = rank_size()
+    print(f"{prog}: rank {rank} of {size}: {message}; aborting the job", file=sys.stderr, flush=True)
+    from mpi4py import MPI
+
+    if size > 1 and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(code)  # ends every rank of the job, wherever it waits
+    sys.exit(code)
+
+
+def internal_error(prog: str, exc: BaseException) -> int:
+    """A fault of a single-process tool whose exit 1 has a meaning of its own: exit 3."""
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
+    print(f"{prog}: internal error: {exception_line(exc)}", file=sys.stderr, flush=True)
+    return 3
+
+
+def entry(
+    prog: str, main: Callable[..., int | None], *, on_fault: Fault = abort_job
+) -> Callable[..., NoReturn]:
+    """Wrap ``main(argv)`` into a process entry point with the rules above."""
+
+    def run(argv: Sequence[str] | None = None) -> NoReturn:
+        code = 1
+        try:
+            code = main(argv) or 0
+        except (UsageError, GclipError) as exc:
+            if rank_size()[0] == 0:
+                print(f"{prog}: error: {exception_line(exc, with_type=False)}", file=sys.stderr, flush=True)
+            code = 2
+        except SystemExit as exc:  # --help, or an explicit exit
+            code = exc.code if isinstance(exc.code, int) else 0
+        except BaseException as exc:  # noqa: BLE001 - Ctrl-C or a fault: on_fault decides
+            code = on_fault(prog, exc)
+        sys.stdout.flush()
+        sys.exit(code)
+
+    return run

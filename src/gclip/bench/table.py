@@ -1,0 +1,111 @@
+"""The bench's numbers as text: one table line per case, then memory, collectives and targets."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["columns", "find_row", "fmt_bytes", "fmt_n", "fmt_t", "format_table"]
+
+
+def find_row(rows: list[dict], n: int, dtype: str, active: bool, impl: str) -> dict | None:
+    for r in rows:
+        if (r["n"], r["dtype"], r["active"], r["impl"]) == (n, dtype, active, impl):
+            return r
+    return None
+
+
+def fmt_n(n: int) -> str:
+    e = math.log10(n) if n > 0 else 0
+    return f"1e{round(e)}" if e == round(e) else f"{n:.3g}"
+
+
+def fmt_t(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def columns(lines: list[list[str]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = []
+    for j, line in enumerate(lines):
+        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        text.append("  ".join(cells).rstrip())
+        if j == 0:
+            text.append("-" * len(text[0]))
+    return "\n".join(text)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human table: one line per (dtype, size, clip state)."""
+    rows = result["rows"]
+    has_torch = any(r["impl"] == "torch" for r in rows)
+    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "x bare"]
+    head += ["repro", "x dflt"]
+    if has_torch:
+        head += ["torch", "gclip/torch", "torch-f64acc"]
+    lines = [head]
+    keys = sorted(
+        {(r["dtype"], r["n"], r["active"]) for r in rows}, key=lambda k: (k[0] != "float64", k[1], k[2])
+    )
+    for dtype, n, active in keys:
+        f = find_row(rows, n, dtype, active, "floor")
+        g = find_row(rows, n, dtype, active, "gclip")
+        p = find_row(rows, n, dtype, active, "gclip-repro")
+        line = [dtype, fmt_n(n), "active" if active else "off"]
+        line += [fmt_t(f["median_s"]), f"{f['gb_per_s']:.2f}", fmt_t(g["median_s"]), f"{g['gb_per_s']:.2f}"]
+        line += [f"{g['vs_floor']:.2f}", f"{g['vs_bare']:.2f}"]
+        line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
+        if has_torch:
+            t = find_row(rows, n, dtype, active, "torch")
+            t64 = find_row(rows, n, dtype, active, "torch-f64acc")
+            line += [
+                fmt_t(t["median_s"]),
+                f"{t['gclip_vs_this']:.2f}",
+                fmt_t(t64["median_s"]) if t64 else "-",
+            ]
+        lines.append(line)
+    out = [columns(lines)]
+    out.append("")
+    out.append(
+        f"{result['ranks']} ranks, {result['threads']} thread(s) per rank; {result['timing']};"
+        f" caches {result['caches']}.\n"
+        "GB/s: per rank, n*itemsize bytes when off (one read), 3x when active (read, read, write)."
+    )
+    out.append(f"bare header-sized Allreduce: {fmt_t(result['allreduce_s'])}; {result['torch_note']}")
+    load = result["load_average"]
+    out.append(f"load average: {load['start']:.2f} at the start, {load['end']:.2f} at the end")
+    env = result["environment"]["env"]
+    out.append("environment: " + (" ".join(f"{k}={v}" for k, v in env.items()) or "no thread variables set"))
+    c = result["collectives"]
+    out.append(
+        "collectives per clip: "
+        + ", ".join(f"{k} {v['total']} ({v['pickle_based']} pickle-based)" for k, v in c.items())
+    )
+    out.append("memory, peak extra / shard (tracemalloc; peak RSS growth):")
+    for m in result["memory"]:
+        rss = "-" if m["rss_extra_bytes"] is None else fmt_bytes(m["rss_extra_bytes"])
+        out.append(
+            f"  {m['dtype']:8s} {fmt_n(m['n']):>5s} {m['mode']:12s} {fmt_bytes(m['peak_extra_bytes']):>9s}"
+            f" / {fmt_bytes(m['shard_bytes']):>9s} = {m['ratio'] * 100:.3g}%   rss +{rss}"
+        )
+    misses = sum(r.get("misses", 0) for r in rows)
+    if misses:
+        out.append(f"warning: {misses} active rep(s) did not clip (see 'misses' in the JSON)")
+    out.append("targets:")
+    for t in result["targets"]:
+        mark = "ok  " if t["ok"] else "MISS"
+        note = f"  ({t['note']})" if t["note"] else ""
+        out.append(f"  {mark} {t['name']}: {t['value']:.3g} (limit {t['limit']:g}){note}")
+    return "\n".join(out)

@@ -1,0 +1,160 @@
+"""The performance targets, as data: one row per target, with its limit and how it is read.
+
+A target reads one value from the run's measurements (``read``; None when
+this run did not measure it, e.g. no 1e7 shard or no torch), and is met when
+that value is ``rule`` (at most, at least, exactly) its ``limit`` and the
+reading's side condition holds (``sound``: e.g. the one collective is not a
+pickle-based one).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .table import find_row, fmt_n
+
+__all__ = [
+    "AT_LEAST",
+    "AT_MOST",
+    "EXACTLY",
+    "TARGETS",
+    "Measured",
+    "Reading",
+    "Target",
+    "allreduce_share",
+    "default_collectives",
+    "evaluate",
+    "gclip_vs_floor",
+    "targets",
+    "worst_memory",
+    "worst_vs_torch",
+]
+
+AT_MOST, AT_LEAST, EXACTLY = "at most", "at least", "exactly"
+_RULES: dict[str, Callable[[float, float], bool]] = {
+    AT_MOST: operator.le,
+    AT_LEAST: operator.ge,
+    EXACTLY: operator.eq,
+}
+
+
+class Measured(NamedTuple):
+    """What a run measured (the pieces of its result dict that targets read)."""
+
+    rows: list[dict]
+    memory: list[dict]
+    collectives: dict[str, Any]
+    allreduce_s: float
+
+
+class Reading(NamedTuple):
+    value: float
+    note: str = ""
+    sound: bool = True  # a side condition the value cannot show
+
+
+class Target(NamedTuple):
+    name: str
+    limit: float
+    rule: str  # AT_MOST, AT_LEAST or EXACTLY
+    read: Callable[[Measured], Reading | None]  # None: not measured in this run
+
+
+# ---------------------------------------------------------------------------
+# how each value is read
+
+
+def gclip_vs_floor(n: int, dtype: str, active: bool) -> Callable[[Measured], Reading | None]:
+    """gclip's time over the floor's, at shard size n."""
+
+    def read(m: Measured) -> Reading | None:
+        row = find_row(m.rows, n, dtype, active, "gclip")
+        return None if row is None else Reading(row["vs_floor"])
+
+    return read
+
+
+def worst_vs_torch(m: Measured) -> Reading | None:
+    """gclip's time over torch's, in the case where it is largest."""
+    torch_rows = [r for r in m.rows if r["impl"] == "torch"]
+    if not torch_rows:
+        return None
+    worst = max(torch_rows, key=lambda r: r["gclip_vs_this"])
+    state = "active" if worst["active"] else "inactive"
+    return Reading(worst["gclip_vs_this"], f"worst: {worst['dtype']} {fmt_n(worst['n'])} {state}")
+
+
+def allreduce_share(n: int) -> Callable[[Measured], Reading | None]:
+    """The bare header-sized Allreduce's time over an inactive float64 clip's, at shard size n."""
+
+    def read(m: Measured) -> Reading | None:
+        step = find_row(m.rows, n, "float64", False, "gclip")
+        bare = find_row(m.rows, n, "float64", False, "bare")
+        if step is None or bare is None:
+            return None
+        bare_share = m.allreduce_s / bare["median_s"]
+        note = f"at least the limit; the bare step, dot + Allreduce, unchecked: {bare_share:.2f}"
+        return Reading(m.allreduce_s / step["median_s"], note)
+
+    return read
+
+
+def worst_memory(mode: str, smallest: int) -> Callable[[Measured], Reading | None]:
+    """The largest peak extra memory / shard of a ``mode`` clip, over shards of ``smallest`` or more."""
+
+    def read(m: Measured) -> Reading | None:
+        big = [r for r in m.memory if r["mode"] == mode and r["n"] >= smallest]
+        if not big:
+            return None
+        worst = max(big, key=lambda r: r["ratio"])
+        return Reading(worst["ratio"], f"worst: {worst['dtype']} {fmt_n(worst['n'])}")
+
+    return read
+
+
+def default_collectives(m: Measured) -> Reading:
+    """Collectives of one active default clip; sound only when none of them pickles."""
+    d = m.collectives["default_active"]
+    return Reading(d["total"], sound=d["pickle_based"] == 0)
+
+
+# ---------------------------------------------------------------------------
+# the table: the floor ratios at 1e7 (the shard streams from memory), the one Allreduce
+# at 1e4 (a small step), memory from 1e6 (small shards have fixed costs)
+
+TARGETS: tuple[Target, ...] = (
+    Target("float64 1e7 inactive: gclip / floor", 1.25, AT_MOST, gclip_vs_floor(10**7, "float64", False)),
+    Target("float64 1e7 active: gclip / floor", 1.25, AT_MOST, gclip_vs_floor(10**7, "float64", True)),
+    Target("float32 1e7 inactive: gclip / floor", 2.0, AT_MOST, gclip_vs_floor(10**7, "float32", False)),
+    Target("float32 1e7 active: gclip / floor", 2.0, AT_MOST, gclip_vs_floor(10**7, "float32", True)),
+    Target("gclip / torch, every case", 1.0, AT_MOST, worst_vs_torch),
+    Target("1e4 float64 step: share of one Allreduce", 0.5, AT_LEAST, allreduce_share(10**4)),
+    Target("peak extra memory / shard, default, n >= 1e6", 0.05, AT_MOST, worst_memory("default", 10**6)),
+    Target(
+        "peak extra memory / shard, reproducible, n >= 1e6",
+        0.05,
+        AT_MOST,
+        worst_memory("reproducible", 10**6),
+    ),
+    Target("collectives per default clip", 1, EXACTLY, default_collectives),
+)
+
+
+def evaluate(measured: Measured, table: tuple[Target, ...] = TARGETS) -> list[dict]:
+    """Each target this run measured, with its value, limit and verdict (``ok``), in table order."""
+    out = []
+    for target in table:
+        reading = target.read(measured)
+        if reading is None:
+            continue
+        ok = bool(reading.sound and _RULES[target.rule](reading.value, target.limit))
+        row = {"name": target.name, "value": reading.value, "limit": target.limit, "ok": ok}
+        out.append({**row, "note": reading.note})
+    return out
+
+
+def targets(rows: list[dict], memory: list[dict], collectives: dict, allreduce_s: float) -> list[dict]:
+    """The performance targets of one run, each with its measured value and a verdict."""
+    return evaluate(Measured(rows, memory, collectives, allreduce_s))

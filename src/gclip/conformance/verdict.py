@@ -1,0 +1,166 @@
+"""Judging: each outcome against ``gclip.clip_shards``, and the fingerprint of a failure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ..clip import clip_simulated
+from ..contract import clip_shards, rounded
+from ..strategies import BUGS
+from .cases import Case, make_cases
+from .target import Target
+from .worker import Outcome, start
+
+__all__ = ["ABS_TOL", "MATCH_SHARE", "MAX_LOST", "REL_TOL", "Verdict", "check", "fingerprint", "judge"]
+
+ABS_TOL = 1e-11  # the contract rounds to 12 decimals: one flip of the last digit is 1e-12
+REL_TOL = 1e-12  # sums in another order differ by a few ulps, ~1e-15 relative
+MATCH_SHARE = 0.95  # a bug must reproduce this share of the outputs (and of the failures)
+MAX_LOST = 3  # calls that hang or crash the worker before the judge stops calling
+
+
+class Verdict(NamedTuple):
+    target: str
+    cases: list[Case]
+    outcomes: list[Outcome]
+    expected: list[list[list[float]]]
+    failed: list[int]  # indices into cases
+    reasons: dict[int, str]
+    fingerprint: str | None
+    scores: dict[str, float]
+    stopped: str | None
+    note: str | None
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed and self.stopped is None
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= ABS_TOL + REL_TOL * abs(b)
+
+
+def _same(actual: list, expected: list) -> bool:
+    """Same layout, and every value within the tolerance."""
+    return _layout(actual) == _layout(expected) and all(
+        _close(a, b) for ra, rb in zip(actual, expected) for a, b in zip(ra, rb)
+    )
+
+
+def _layout(rows: list) -> list[int]:
+    return [len(r) for r in rows]
+
+
+def check(case: Case, expected: list, outcome: Outcome) -> str | None:
+    """Why the outcome fails the case, or None when it passes."""
+    if outcome.value is None:
+        return outcome.problem
+    actual = outcome.value
+    if _layout(actual) != _layout(expected):
+        return f"wrong layout: {len(actual)} shards of widths {_layout(actual)}, expected {_layout(expected)}"
+    pairs = [
+        (a, b, i, j)
+        for i, (ra, rb) in enumerate(zip(actual, expected))
+        for j, (a, b) in enumerate(zip(ra, rb))
+    ]
+    wrong = [(abs(a - b) if math.isfinite(a) else math.inf, i, j) for a, b, i, j in pairs if not _close(a, b)]
+    if wrong:
+        gap, i, j = max(wrong)
+        return f"wrong values: {len(wrong)} of {len(pairs)} differ, most at shard {i} item {j} (by {gap:.6g})"
+    if case.exact and actual != expected:
+        return "equal only to ~1e-11: the seed's checks compare exactly (round to 12 decimals)"
+    loose = [(a, i, j) for a, _, i, j in pairs if a != round(a, 12)]
+    if loose:
+        a, i, j = loose[0]
+        return f"not rounded to 12 decimals (shard {i} item {j} is {a!r})"
+    return None
+
+
+def _bug_outputs(cases: Sequence[Case]) -> dict[str, list[list | None]]:
+    """Each gallery bug's rounded outputs on the cases, one simulated rank per shard."""
+    out: dict[str, list[list | None]] = {}
+    for bug in BUGS:
+        rows: list[list | None] = []
+        for case in cases:
+            if not case.shards:
+                rows.append([])
+                continue
+            try:
+                ranks = [[np.asarray(s, dtype=np.float64)] for s in case.shards]
+                results = clip_simulated(ranks, case.limit, mode=bug.name)
+                rows.append([rounded(r.grads[0]) for r in results])
+            except Exception:  # noqa: BLE001 - a bug that cannot run on this data never matches
+                rows.append(None)
+        out[bug.name] = rows
+    return out
+
+
+def fingerprint(
+    cases: Sequence[Case], expected: Sequence[list], outcomes: Sequence[Outcome], failed: Sequence[int]
+) -> tuple[str | None, dict[str, float]]:
+    """The gallery bug that reproduces the implementation's outputs, or "unknown".
+
+    A bug matches when its outputs equal the implementation's on at least
+    MATCH_SHARE of the cases that returned a value, and it explains at least
+    MATCH_SHARE of the wrong values: on those cases the bug itself is wrong,
+    in the same way. Results wrong only in their rounding are no wrong values:
+    an unrounded per-rank clip is still per-rank. Bugs that need inf-norms, replicated tensors or float16
+    overflow give the correct result on most contract data: they explain no
+    failure and so never match by accident.
+    """
+    if not failed:
+        return None, {}
+    valid = [i for i, o in enumerate(outcomes) if o.value is not None]
+    # wrong values only: a result right but for its rounding says nothing of the norm
+    wrong = [i for i in failed if outcomes[i].value is not None and not _same(outcomes[i].value, expected[i])]
+    if not wrong:
+        return "unknown", {}
+    scores: dict[str, float] = {}
+    best: tuple[int, int, str] | None = None
+    for name, rows in _bug_outputs(cases).items():
+        hits = {i for i in valid if rows[i] is not None and _same(outcomes[i].value, rows[i])}
+        explained = sum(i in hits and not _same(rows[i], expected[i]) for i in wrong)
+        scores[name] = round(len(hits) / len(valid), 4)
+        if explained and explained >= MATCH_SHARE * len(wrong) and len(hits) >= MATCH_SHARE * len(valid):
+            if best is None or (len(hits), explained) > best[:2]:
+                best = (len(hits), explained, name)
+    return (best[2] if best else "unknown"), scores
+
+
+def judge(target: Target, count: int = 200, seed: int = 0, timeout: float = 5.0) -> Verdict:
+    """Run every case through the implementation and compare with ``gclip.clip_shards``."""
+    cases = make_cases(count, seed)
+    expected = [clip_shards(c.shards, c.limit) for c in cases]
+    worker, note = start(target, timeout)
+    outcomes: list[Outcome] = []
+    lost = 0
+    stopped = None
+    try:
+        for case in cases:
+            outcome = worker.call(case.shards, case.limit)
+            outcomes.append(outcome)
+            if outcome.lost:
+                lost += 1
+                worker.close()
+                if lost >= MAX_LOST:
+                    left = len(cases) - len(outcomes)
+                    stopped = f"{lost} calls hung or crashed; the other {left} cases were not run"
+                    break
+                worker, _ = start(target, timeout)
+    finally:
+        worker.close()
+    cases, expected = cases[: len(outcomes)], expected[: len(outcomes)]
+    reasons = {}
+    for i, (case, exp, outcome) in enumerate(zip(cases, expected, outcomes)):
+        why = check(case, exp, outcome)
+        if why is not None:
+            reasons[i] = why
+    failed = sorted(reasons)
+    name, scores = fingerprint(cases, expected, outcomes, failed)
+    if stopped and name is None:
+        name = "unknown"
+    return Verdict(str(target), cases, outcomes, expected, failed, reasons, name, scores, stopped, note)

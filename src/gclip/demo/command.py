@@ -1,0 +1,55 @@
+"""The demo's command: flags -> the clip on every rank -> rank 0's report (text or JSON) and plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._lab.cli import entry
+from .figure import check_plot, render_plot
+from .gallery import render_bugs
+from .layout import render_layout, run_layout
+from .layout import to_json as layout_json
+from .options import PROG, parse_args
+from .ranks import run, to_json
+from .text import render_text
+
+__all__ = ["main"]
+
+
+def _main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    opts = parse_args(argv, comm.Get_size())
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    if opts.list_bugs:
+        say(render_bugs(opts.json))
+        return 0
+    if opts.layout:
+        report = run_layout(opts, comm)
+        if report is not None:
+            say(layout_json(report) if opts.json else render_layout(report, opts))
+        return 0
+    if opts.plot:
+        check_plot(opts, comm)
+    report = run(opts, comm)
+    if report is None:
+        return 0
+    plotted = render_plot(report, opts, opts.plot) if opts.plot else 0
+    if opts.json:
+        say(to_json(report))
+    else:
+        say(render_text(report, opts))
+        if opts.plot:
+            say(f"plot: wrote {opts.plot} ({plotted // 1024} KB)")
+    return 0
+
+
+main = entry(PROG, _main)

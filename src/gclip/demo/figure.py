@@ -1,0 +1,128 @@
+"""The demo's figure: local norms vs the limit, the scale on each rank, the clipped norm as ranks grow."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .._lab import plots
+from .._lab.cli import UsageError, check_writable
+from .._lab.vectors import vector_norm
+from ..clip import clip_simulated
+from ..strategies import GLOBAL
+from .options import Options
+from .ranks import grads_for, shard_for, whole
+from .text import num, pname
+
+__all__ = ["SWEEP_RANKS", "check_plot", "render_plot", "sweep"]
+
+SWEEP_RANKS = 16  # the third panel simulates R = 1..SWEEP_RANKS ranks
+
+
+def sweep(opts: Options, modes: Sequence[str], max_ranks: int = SWEEP_RANKS) -> dict[str, list[float]]:
+    """The clipped global norm for R = 1..max_ranks simulated ranks, per mode.
+
+    Rank r holds the shard it would hold in the demo (the given shards repeat).
+    """
+    out: dict[str, list[float]] = {m: [] for m in modes}
+    for n in range(1, max_ranks + 1):
+        ranks = [grads_for(opts, shard_for(opts, r)) for r in range(n)]
+        flags = ranks[0][1]
+        for m in modes:
+            res = clip_simulated(
+                [g for g, _ in ranks],
+                opts.limit,
+                norm_type=opts.p,
+                mode=m,
+                reproducible=opts.reproducible,
+                replicated=flags,
+            )
+            out[m].append(vector_norm(whole([list(r.grads) for r in res]), opts.p))
+    return out
+
+
+def render_plot(report: dict, opts: Options, path: str) -> int:
+    """The slide: local norms vs the limit, per-rank scales, the clipped norm as ranks grow."""
+    col = plots.COLORS
+    bug = opts.bug
+    c = report.get("correct", report)
+    fig, (a1, a2, a3) = plots.figure(3, title=_plot_title(report, opts))
+    labels = [f"rank {row['rank']}" for row in report["per_rank"]]
+    local = [row["local_norm"] for row in c["per_rank"]]
+    plots.bars(
+        a1,
+        labels,
+        {"local norm": local},
+        title="1. Each rank sees only its own norm",
+        ylabel=f"{pname(opts.p)} norm (log)",
+        colors={"local norm": col["neutral"]},
+        hlines={
+            f"global norm {num(c['global_norm'], 4)}": (c["global_norm"], col["correct"]),
+            f"limit {num(opts.limit)}": (opts.limit, col["limit"]),
+        },
+        log=True,
+    )
+    scales = {"correct (global)": [r["scale"] for r in c["per_rank"]]}
+    if bug:
+        scales[f"bug ({bug})"] = [r["scale"] for r in report["per_rank"]]
+    plots.bars(
+        a2,
+        labels,
+        scales,
+        title="2. The scale each rank applies",
+        ylabel="scale = min(1, limit / norm used)",
+        colors={"correct (global)": col["correct"], f"bug ({bug})": col["bug"]},
+    )
+    modes = [GLOBAL.name, "per-rank"] + ([bug] if bug and bug != "per-rank" else [])
+    curves = sweep(opts, modes)
+    xs = list(range(1, SWEEP_RANKS + 1))
+    series = {
+        "correct (global)": curves[GLOBAL.name],
+        "per-rank": curves["per-rank"],
+    }
+    colors = {
+        "correct (global)": col["correct"],
+        "per-rank": col["bug"] if bug == "per-rank" else col["other"],
+    }
+    if bug and bug != "per-rank":
+        series[f"bug ({bug})"] = curves[bug]
+        colors[f"bug ({bug})"] = col["bug"]
+    series["sqrt(R) x limit"] = [math.sqrt(n) * opts.limit for n in xs]
+    colors["sqrt(R) x limit"] = col["bound"]
+    finite = [v for ys in series.values() for v in ys if math.isfinite(v) and v > 0]
+    spread = max(finite) / min(finite) if finite else 1.0
+    plots.lines(
+        a3,
+        xs,
+        series,
+        title="3. Clipped global norm as the ranks grow",
+        xlabel="ranks R (simulated)",
+        ylabel=f"{pname(opts.p)} norm after clipping",
+        colors=colors,
+        dashed=["sqrt(R) x limit"],
+        log=spread > 30,
+    )
+    a3.axhline(opts.limit, color=col["limit"], linestyle="--", linewidth=1, label=f"limit {num(opts.limit)}")
+    a3.legend(fontsize=8, loc="upper left")
+    return plots.save(fig, path)
+
+
+def _plot_title(report: dict, opts: Options) -> str:
+    r = report["ranks"]
+    what = f"the {opts.bug} bug vs the correct clip" if opts.bug else "clipping by the global norm"
+    return f"gclip: {what} ({r} rank{'s' * (r != 1)}, limit {num(opts.limit)})"
+
+
+def check_plot(opts: Options, comm: Any) -> None:
+    """Rank 0 checks that the plot can be made; every rank learns the verdict before any clip."""
+    problem = None
+    if comm.Get_rank() == 0:
+        try:
+            plots.require()
+            check_writable("--plot", opts.plot or "")
+        except UsageError as exc:
+            problem = str(exc)
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise UsageError(problem)

@@ -1,0 +1,37 @@
+"""The bug gallery, listed: ``--list-bugs`` (text or ``--json``)."""
+
+from __future__ import annotations
+
+from .._lab.jsonout import dumps
+from ..strategies import BUGS, LAYOUT_BUGS
+from .text import ansi_pad, bold, red
+
+__all__ = ["render_bugs"]
+
+
+NO_INCIDENT = "(no public incident confirmed: a teaching example)"
+
+
+def render_bugs(as_json: bool) -> str:
+    """The gallery: name, summary, where it happened; the combine bugs, then the layout bugs."""
+    if as_json:
+        items = [{**b.as_dict(), "kind": "combine"} for b in BUGS]
+        items += [{**b.as_dict(), "kind": "layout"} for b in LAYOUT_BUGS]
+        return dumps(items, separators=(",", ":"))
+    total = len(BUGS) + len(LAYOUT_BUGS)
+    width = 22
+    pad = width + ansi_pad(red(""))
+    lines = [bold(f"gclip bug gallery: {total} ways to get global-norm clipping wrong"), ""]
+    lines.append(
+        bold(f"How the norm is combined ({len(BUGS)}): mpiexec -n 4 python -m gclip.demo --buggy NAME")
+    )
+    for b in BUGS:
+        lines.append(f"  {red(b.name):<{pad}}{b.summary}")
+        lines.append(f"  {'':<{width}}seen in: {b.incident or NO_INCIDENT}")
+    run = "mpiexec -n 8 python -m gclip.demo --layout AXES --buggy NAME"
+    lines += ["", bold(f"What the clip is told about the layout ({len(LAYOUT_BUGS)}): {run}")]
+    for b in LAYOUT_BUGS:
+        lines.append(f"  {red(b.name):<{pad}}{b.summary}")
+        lines.append(f"  {'':<{width}}seen in: {b.incident}")
+        lines.append(f"  {'':<{width}}shows on: --layout {b.shows_on}")
+    return "\n".join(lines)

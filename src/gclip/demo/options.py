@@ -1,0 +1,226 @@
+"""The demo's flags: every rank parses the same argv, so every rank fails together."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._lab.cli import ArgParser, UsageError, parse_max_norm
+from ..strategies import BUGS, GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, STRATEGIES
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "DEFAULT_REPLICATED",
+    "DEFAULT_SIZE",
+    "MAX_SIZE",
+    "PROG",
+    "Options",
+    "parse_args",
+    "parse_data",
+]
+
+PROG = "gclip.demo"
+DEFAULT_SIZE = 1000
+DEFAULT_LIMIT = 1.0
+DEFAULT_REPLICATED = (30.0, -40.0)
+MAX_SIZE = 10**6  # a demo gathers everything on rank 0
+
+
+@dataclass(frozen=True)
+class Options:
+    shards: list[list[float]] | None  # None: seeded random shards
+    replicated: list[float]
+    limit: float
+    norm_type: float | None  # None: 2, or the bug's own (inf-pow: inf)
+    seed: int
+    size: int
+    bug: str | None
+    reproducible: bool
+    json: bool
+    plot: str | None
+    list_bugs: bool
+    layout: str | None = None  # e.g. "pp=2,dp=2,tp=2": the lab's model laid out over the ranks
+
+    @property
+    def mode(self) -> str:
+        return self.bug or GLOBAL.name
+
+    @property
+    def p(self) -> float:
+        if self.norm_type is not None:
+            return self.norm_type
+        if self.bug in STRATEGIES and STRATEGIES[self.bug].norm_type is not None:
+            return float(STRATEGIES[self.bug].norm_type)  # type: ignore[arg-type]
+        return 2.0
+
+
+def _parser() -> ArgParser:
+    names = [b.name for b in BUGS] + [b.name for b in LAYOUT_BUGS]
+    p = ArgParser(
+        prog="mpiexec -n 4 python -m gclip.demo",
+        description="Clip one gradient sharded over the MPI ranks by its global norm, phase by phase.",
+    )
+    p.add_argument(
+        "--buggy",
+        nargs="?",
+        const="per-rank",
+        choices=names,
+        metavar="NAME",
+        help="also run a gallery bug on the same data, side by side (alone: per-rank; see --list-bugs)",
+    )
+    p.add_argument(
+        "--layout",
+        metavar="AXES",
+        help="lay a small transformer out over the ranks, e.g. pp=2,dp=2,tp=2 (axes pp, dp, tp, ep)",
+    )
+    p.add_argument("--shards", metavar="JSON", help="one list of numbers per rank, e.g. '[[3,0],[0,4]]'")
+    p.add_argument("--max-norm", default=str(DEFAULT_LIMIT), metavar="X", help="the max norm (default 1)")
+    # the flag's old name, kept so that old commands still work (the API and the trainer say max_norm)
+    p.add_argument("--limit", dest="max_norm", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--norm-type", metavar="P", help="p > 0 or inf (default 2; inf-pow: inf)")
+    p.add_argument(
+        "--replicated",
+        metavar="JSON",
+        help="values of a tensor replicated on every rank, counted once "
+        f"(default {list(DEFAULT_REPLICATED)}; [] with --shards)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random shards (default 0)")
+    p.add_argument("--size", type=int, default=DEFAULT_SIZE, help="values per rank (default 1000)")
+    p.add_argument("--reproducible", action="store_true", help="exact binned sums: same bits for any layout")
+    p.add_argument("--json", action="store_true", help="one JSON object on one line instead of the report")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the figure (needs matplotlib)")
+    p.add_argument("--list-bugs", action="store_true", help="list the bug gallery and exit")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
+    """Options from argv, validated; bad input raises a one-line UsageError.
+
+    ``ranks`` is the number of ranks ``--shards`` must match (None: not checked).
+    """
+    ns = _parser().parse_args(argv)
+    if ns.list_bugs:
+        return Options(None, [], DEFAULT_LIMIT, None, 0, 0, None, False, ns.json, None, True)
+    if ns.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {ns.seed}")
+    if not 0 <= ns.size <= MAX_SIZE:
+        raise UsageError(f"--size must be between 0 and {MAX_SIZE}, got {ns.size}")
+    if ns.plot is not None and not ns.plot.strip():
+        raise UsageError("--plot needs a file name")
+    if ns.buggy in LAYOUT_BUG_NAMES and ns.layout is None:
+        shows = LAYOUT_BUG_NAMES[ns.buggy].shows_on
+        raise UsageError(f"--buggy {ns.buggy} is a layout bug: add --layout (e.g. --layout {shows})")
+    if ns.layout is not None:
+        clash = [
+            f for f, v in (("--shards", ns.shards), ("--replicated", ns.replicated), ("--plot", ns.plot)) if v
+        ]
+        if clash:
+            raise UsageError(f"--layout lays out its own model: drop {', '.join(clash)}")
+    shards, limit, replicated, p = parse_data(ns.shards, ns.max_norm, ns.replicated, ns.norm_type, ranks)
+    return Options(
+        shards,
+        replicated,
+        limit,
+        p,
+        ns.seed,
+        ns.size,
+        ns.buggy,
+        ns.reproducible,
+        ns.json,
+        ns.plot,
+        False,
+        ns.layout,
+    )
+
+
+def parse_data(
+    shards: str | None,
+    limit: str,
+    replicated: str | None = None,
+    norm_type: str | None = None,
+    ranks: int | None = None,
+) -> tuple[list[list[float]] | None, float, list[float], float | None]:
+    """(shards, limit, replicated, norm_type) from the command-line texts: JSON only, never eval.
+
+    Values must be finite real numbers (not booleans); ``shards`` is a list
+    with one flat list per rank. Anything else is a one-line UsageError.
+    """
+    values = None
+    if shards is not None:
+        data = _json(shards, "--shards")
+        if not isinstance(data, list) or not all(isinstance(s, list) for s in data):
+            raise UsageError(f"--shards must be a list of lists of numbers (one per rank), got {_kind(data)}")
+        if ranks is not None and len(data) != ranks:
+            raise UsageError(
+                f"--shards has {len(data)} shard{'s' * (len(data) != 1)} for {ranks} "
+                f"rank{'s' * (ranks != 1)}: give one list per rank (mpiexec -n {len(data)})"
+            )
+        values = [_numbers(s, f"--shards[{i}]") for i, s in enumerate(data)]
+    if replicated is None:
+        reps = [] if values is not None else list(DEFAULT_REPLICATED)
+    else:
+        reps = _numbers(_json(replicated, "--replicated"), "--replicated")
+    return values, parse_max_norm(limit), reps, _norm_type(norm_type)
+
+
+def _json(text: str, flag: str) -> Any:
+    def constant(name: str) -> None:
+        raise UsageError(f"{flag}: {name} is not allowed, values must be finite numbers")
+
+    try:
+        return json.loads(text, parse_constant=constant)
+    except RecursionError:
+        raise UsageError(f"{flag}: the JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, too many digits
+        raise UsageError(f"{flag}: not valid JSON ({exc})") from None
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    return "an object"
+
+
+def _numbers(items: Any, where: str) -> list[float]:
+    if not isinstance(items, list):
+        raise UsageError(f"{where} must be a list of numbers, got {_kind(items)}")
+    out = []
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise UsageError(f"{where} item {i} must be a number, got {_kind(v)}")
+        try:
+            f = float(v)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise UsageError(f"{where} item {i} is too large: values must be finite numbers")
+        out.append(f)
+    return out
+
+
+def _norm_type(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        p = float(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"--norm-type must be a number > 0 or inf, got {_show(text)}") from None
+    if math.isnan(p) or p <= 0:
+        raise UsageError(f"--norm-type must be a number > 0 or inf, got {_show(text)}")
+    return p
+
+
+def _show(text: str, width: int = 40) -> str:
+    return ascii(text if len(text) <= width else text[:width] + "...")

@@ -1,0 +1,221 @@
+"""Who holds copies of what, who counts them, and whether copies really are copies.
+
+Diagnostics of a layout (see ``layout``): :func:`explain` tabulates, for each
+tensor or shard, the ranks that hold it, the one that counts it and its share
+of the norm; :func:`check_replicas` checks, bit for bit, that arrays declared
+identical over a group are. Both gather (extra collectives): for a teacher's
+table or a debugging session, not for every step.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _validate, partials
+from .errors import GclipValueError
+from .layout import _holding, ranges
+
+__all__ = ["Row", "check_replicas", "diverged", "explain", "explain_simulated"]
+
+
+class Row(NamedTuple):
+    """One tensor (or one shard of it) and who counts it: a row of :func:`explain`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    ranks: tuple[int, ...]  # the ranks holding it (one for a shard; every copy's for a group)
+    counted_on: int  # the one rank whose partial includes it
+    power: float  # its sum |x|**p (max |x| for the inf-norm)
+    share: float  # its share of the global norm**p (for inf: 1 for the max, else 0)
+
+    @property
+    def copies(self) -> int:
+        return len(self.ranks)
+
+
+class _Record(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    members: tuple[int, ...]
+    power: float
+    crc: int
+
+
+def _records(
+    grads: Any, replicated: Any, names: Any, rank: int, size: int, comm: Any, p: float
+) -> list[_Record]:
+    given = _validate.grads(grads, inplace=False)
+    entries = (
+        given.per_array(list(replicated), "replicated")
+        if replicated is not None
+        else [False] * len(given.arrays)
+    )
+    labels = _names(given, names)
+    out = []
+    for i, (a, entry, label) in enumerate(zip(given.arrays, entries, labels)):
+        if entry is False or entry is None or (isinstance(entry, (bool, np.bool_)) and not entry):
+            members = (rank,)
+        elif isinstance(entry, (bool, np.bool_)):
+            members = tuple(range(size))
+        else:
+            holding = _holding(entry, comm, rank, size, i)
+            members = holding.members
+        power = partials.max_abs([a])[0] if math.isinf(p) else partials.power_sum([a], p)[0]
+        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, power, _crc(a)))
+    return out
+
+
+def _names(given: Any, names: Sequence[str] | None) -> list[str]:
+    """One label per distinct array; an array given twice under two names is 'a = b'."""
+    if names is None:
+        names = [f"grads[{i}]" for i in range(given.given)]
+    names = [str(n) for n in names]
+    if len(names) != given.given:
+        raise GclipValueError(f"names has {len(names)} entries for {given.given} arrays")
+    if given.slots is None:
+        return names
+    labels: list[list[str]] = [[] for _ in given.arrays]
+    for slot, name in zip(given.slots, names):
+        if name not in labels[slot]:
+            labels[slot].append(name)
+    return [" = ".join(label) for label in labels]
+
+
+def _crc(a: np.ndarray) -> int:
+    crc = 0
+    for c in partials.iter_chunks(a):
+        crc = zlib.crc32(np.ascontiguousarray(c).view(np.uint8), crc)
+    return crc
+
+
+def _rows(per_rank: Sequence[Sequence[_Record]], p: float) -> list[Row]:
+    merged: dict[tuple[str, tuple[int, ...]], list[_Record]] = {}
+    for records in per_rank:
+        for rec in records:
+            merged.setdefault((rec.name, rec.members), []).append(rec)
+    counted = [recs[0] for recs in merged.values()]
+    if math.isinf(p):
+        top = max((r.power for r in counted), default=0.0)
+        shares = [1.0 if r.power == top and top > 0 else 0.0 for r in counted]
+    else:
+        total = math.fsum(r.power for r in counted)
+        shares = [r.power / total if total > 0 else 0.0 for r in counted]
+    return [
+        Row(r.name, r.shape, r.dtype, r.members, r.members[0], r.power, share)
+        for r, share in zip(counted, shares)
+    ]
+
+
+def explain(
+    grads: Any,
+    *,
+    replicated: Sequence[Any] | None = None,
+    names: Sequence[str] | None = None,
+    comm: Any = None,
+    norm_type: float | str = 2.0,
+) -> list[Row]:
+    """Who counts what: one row per tensor (or shard), the same list on every rank.
+
+    Each row names the tensor, its shape and dtype, the ranks that hold it,
+    the one rank that counts it, and its share of the global norm**p. A
+    diagnostic (it gathers every rank's list: not for the training loop).
+    """
+    comm = _validate.communicator(comm)
+    p = _validate.norm_type(norm_type)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine, error = [], None
+    try:
+        mine = _records(grads, replicated, names, rank, size, comm, p)
+    except Exception as exc:  # noqa: BLE001 - agreed below, so no rank waits
+        error = exc
+    gathered = comm.allgather((None if error is None else str(error), mine))
+    _raise_agreed(gathered, error)
+    return _rows([recs for _, recs in gathered], p)
+
+
+def explain_simulated(
+    ranks: Sequence[Any],
+    *,
+    replicated: Sequence[Sequence[Any]] | None = None,
+    names: Any = None,
+    norm_type: Any = 2.0,
+) -> list[Row]:
+    """:func:`explain` over simulated ranks (``replicated[r]`` and ``names[r]`` per rank)."""
+
+    p = _validate.norm_type(norm_type)
+    size = len(ranks)
+    per_rank = [
+        _records(
+            g,
+            None if replicated is None else replicated[r],
+            None if names is None else names[r],
+            r,
+            size,
+            None,
+            p,
+        )
+        for r, g in enumerate(ranks)
+    ]
+    return _rows(per_rank, p)
+
+
+def _raise_agreed(gathered: Sequence[tuple[str | None, Any]], error: BaseException | None) -> None:
+    bad = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
+    if bad:
+        r, msg = bad[0]
+        raise GclipValueError(f"rank {r} of {len(gathered)}: {msg}")
+
+
+def check_replicas(
+    grads: Any,
+    *,
+    replicated: Sequence[Any],
+    names: Sequence[str] | None = None,
+    comm: Any = None,
+) -> None:
+    """Check that arrays declared identical over a group really are, bit for bit.
+
+    Opt-in (it gathers a checksum per array): every rank raises the same
+    one-line GclipValueError naming the tensor and the ranks that diverge,
+    e.g. after replicas drifted apart under a clip that was not global.
+    """
+    comm = _validate.communicator(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine, error = [], None
+    try:
+        mine = _records(grads, replicated, names, rank, size, comm, 2.0)
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        error = exc
+    gathered = comm.allgather(
+        (None if error is None else str(error), [(r.name, r.members, r.crc) for r in mine])
+    )
+    _raise_agreed(gathered, error)
+    problem = diverged([recs for _, recs in gathered])
+    if problem:
+        raise GclipValueError(problem)
+
+
+def diverged(per_rank: Sequence[Sequence[tuple[str, tuple[int, ...], int]]]) -> str | None:
+    """The first group whose copies differ, in one line (None: all copies agree)."""
+    seen: dict[tuple[str, tuple[int, ...]], dict[int, int]] = {}
+    for rank, records in enumerate(per_rank):
+        for name, members, crc in records:
+            if len(members) > 1:
+                seen.setdefault((name, members), {})[rank] = crc
+    for (name, members), crcs in seen.items():
+        kinds = list(dict.fromkeys(crcs.values()))
+        if len(kinds) > 1:
+            reference = crcs.get(members[0], kinds[0])
+            odd = [r for r, c in crcs.items() if c != reference]
+            return (
+                f"replicas of {name!r} differ: {'rank' if len(odd) == 1 else 'ranks'} {ranges(odd)} "
+                f"hold other values than rank {members[0]} (group {ranges(members)})"
+            )
+    return None

@@ -1,0 +1,73 @@
+"""The demo's --layout on 8 real ranks: mpiexec -n 8 python demo_layouts_8.py (run by test_demo_layout.py).
+
+In one job (the demo's own functions, called as its command calls them):
+- the JSON's global_norm is the same for the five 3-D layouts of the issue, and
+  bit-identical with --reproducible, and equals the model's norm from its
+  definition (an independent fsum over every tensor, whole, once);
+- every bug of the gallery (the 10 combine bugs and the 8 layout bugs) is
+  visibly wrong on a 3-D layout: its norm or scale differs from the correct
+  one on some rank, copies drift apart, or ranks are left waiting;
+- the hang bug ends: the ranks that waited say which ranks skipped.
+Rank 0 prints one JSON line of findings; any exception aborts the job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+from mpi4py import MPI
+
+from gclip import strategies
+from gclip.demo.layout import run_layout
+from gclip.demo.options import parse_args
+
+comm = MPI.COMM_WORLD
+LAYOUTS = ["pp=1,dp=8,tp=1", "pp=2,dp=2,tp=2", "pp=2,dp=1,tp=4", "pp=1,dp=2,tp=4", "pp=2,dp=4,tp=1"]
+
+
+def report(*argv: str) -> dict | None:
+    return run_layout(parse_args(list(argv), comm.Get_size()), comm)
+
+
+def shows(r: dict) -> str | None:
+    """How the bug run departs from the correct one, or None if it does not."""
+    c, b = r["correct"], r["bug_run"]
+    if b["note"]:
+        return "hang: " + b["note"]
+    if b["drifted"]:
+        return f"copies drifted: {b['drifted'][0]}"
+    if any(n != c["norms"][0] for n in b["norms"]):
+        return f"norm {b['norms'][0]!r} vs {c['norms'][0]!r}"
+    if any(s != c["scales"][0] for s in b["scales"]):
+        return f"scale {b['scales'][0]!r} vs {c['scales'][0]!r}"
+    return None
+
+
+def main() -> None:
+    findings: dict = {"plain": {}, "reproducible": {}, "bugs": {}}
+    for layout in LAYOUTS:
+        for key, extra in (("plain", []), ("reproducible", ["--reproducible"])):
+            r = report("--layout", layout, "--json", *extra)
+            if r is not None:
+                findings[key][layout] = [r["global_norm"].hex(), r["model_norm"]]
+    for bug in strategies.BUGS:
+        r = report("--layout", "pp=2,dp=2,tp=2", "--buggy", bug.name)
+        if r is not None:
+            findings["bugs"][bug.name] = shows(r)
+    for bug in strategies.LAYOUT_BUGS:
+        r = report("--layout", bug.shows_on, "--buggy", bug.name)
+        if r is not None:
+            findings["bugs"][bug.name] = shows(r)
+    if comm.Get_rank() == 0:
+        print(json.dumps(findings), flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:  # noqa: BLE001 - one rank's failure ends the job
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)
