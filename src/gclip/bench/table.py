@@ -100,7 +100,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"  {m['dtype']:8s} {fmt_n(m['n']):>5s} {m['mode']:12s} {fmt_bytes(m['peak_extra_bytes']):>9s}"
             f" / {fmt_bytes(m['shard_bytes']):>9s} = {m['ratio'] * 100:.3g}%   rss +{rss}"
         )
-    misses = sum(r.get("misses", 0) for r in rows)
+    if result.get("lists"):
+        from .lists import format_lists
+
+        out.append("lists of arrays, per rank (time per clip, slowest rank, median):")
+        out.append(format_lists(result["lists"]))
+    misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:
         out.append(f"warning: {misses} active rep(s) did not clip (see 'misses' in the JSON)")
     out.append("targets:")
