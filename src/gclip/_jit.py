@@ -9,6 +9,7 @@ changes only).
 from __future__ import annotations
 
 import math
+import sys
 
 import numba
 import numpy as np
@@ -22,6 +23,7 @@ _C_CONTIGUOUS, _F_CONTIGUOUS = 0x1, 0x2  # numpy's array flags (ndarraytypes.h)
 _AHEAD = 4096  # float32 elements the loops hint ahead (16 KiB)
 _LINE = 16  # float32 elements per 64-byte cache line
 _INNER = 256  # float32 elements summed between hints
+_HI = 1 if sys.byteorder == "little" else 0  # a float64's high 32-bit word
 
 # ---------------------------------------------------------------------------
 # LLVM operations numba has no Python spelling for
@@ -92,6 +94,19 @@ def as_float(typingctx, bits):  # absbits back to the float, widened to float64
 
 
 @intrinsic
+def from_bits(typingctx, b):  # the float64 whose bits these are
+    return types.float64(types.int64), lambda ctx, b, sig, args: b.bitcast(args[0], _DOUBLE)
+
+
+@intrinsic
+def hiword(typingctx, w):  # a float64's high word without its sign bit
+    def codegen(ctx, b, sig, args):
+        return b.and_(args[0], ir.Constant(_I32, 0x7FFFFFFF))
+
+    return types.uint32(types.uint32), codegen
+
+
+@intrinsic
 def bits64(typingctx, x):
     return types.int64(types.float64), lambda ctx, b, sig, args: b.bitcast(args[0], _I64)
 
@@ -122,6 +137,7 @@ def prefetch(typingctx, arr, idx):  # a hint that arr[idx] is read soon; never f
 
 ptr32 = _pointer(types.float32)
 ptr64 = _pointer(types.float64)
+ptr_u32 = _pointer(types.uint32)
 
 
 # ---------------------------------------------------------------------------
@@ -228,12 +244,48 @@ def scale_table(ptr, size, kind, s64, s32):
 
 @jit
 def _top_bin(m, p, width):
-    # the numpy path's: the smallest t with m**p <= 2**(width*(t+1) - 1)
-    fm, em = math.frexp(m)
-    fp = fm * fm if p == 2 else fm
-    gm, ge = math.frexp(fp)
+    # the numpy path's (frexp, fm*fm rounded once): the smallest t with m**p <= 2**(width*(t+1) - 1),
+    # frexp read from the bits (no call) for normal m > 0
+    b = bits64(m)
+    e = b >> 52
+    if e == 0:  # subnormal
+        fm, em = math.frexp(m)
+    else:
+        fm = from_bits((b & 0xFFFFFFFFFFFFF) | (1022 << 52))  # m = fm * 2**em, fm in [0.5, 1)
+        em = e - 1022
+    fp = fm * fm if p == 2 else fm  # in [0.25, 1): frexp(fp) is (fp, 0) or (2 fp, -1)
+    ge = 0 if fp >= 0.5 else -1
+    gm = fp if fp >= 0.5 else 2.0 * fp
     ceil_log2 = ge + p * em - (1 if gm == 0.5 else 0)
     return -((-(ceil_log2 - width + 1)) // width)
+
+
+@jit
+def _absmax_hi(y):
+    # contiguous float64: the largest high word of |y| (sign, exponent, 20 bits of mantissa),
+    # 8 lanes of 32 bits where the whole values would take 4 of 64
+    w = carray(ptr_u32(y.ctypes.data), 2 * y.size)
+    m = np.uint32(0)
+    for i in range(y.size):
+        m = umax(m, hiword(w[2 * i + _HI]))
+    return m
+
+
+@jit
+def _block_top(y, p, width):
+    # (t, m): the block's top bin and its max |y| or a value of the same top bin; m is
+    # 0.0 for a block of zeros, inf or NaN for a special block (t unused then)
+    if y.itemsize == 8 and y.strides[0] == 8:
+        h = np.int64(_absmax_hi(y))
+        if 0 < h < 0x7FF00000:  # the max lies in [lo, hi]: its t is known when theirs agree
+            lo = from_bits(h << 32)
+            t = _top_bin(lo, p, width)
+            if t == _top_bin(from_bits(((h + 1) << 32) - 1), p, width):
+                return t, lo
+    m = as_float(_absmax(y))
+    if 0.0 < m < np.inf:
+        return _top_bin(m, p, width), m
+    return 0, m
 
 
 @jit
@@ -245,17 +297,19 @@ def _absmax(y):
 
 
 @jit
-def _folds_sq32(y, m0, m1, m2, one):
+def _folds_sq32(y, z, m0, m1, m2, one):
     # float32 squared: x*x is exact in float64, so one fma is the product and the
     # extraction's rounding at once. t = (v + M): its low bits are the digit (M's
     # last bit is worth the bin's unit); the remainder v - q is exact; fold 2 extracts
     # from r0 - q1 = r0 + ((M1 + M2) - t1) - M2, both steps exact. fma(a, one, b) is
     # a + b on the multiply units (``one`` is 1.0 the compiler cannot see), which
-    # would otherwise idle while the adders are the bottleneck
+    # would otherwise idle while the adders are the bottleneck. z (as long as y) is the
+    # next block: its max is taken here, its loads overlapping this block's arithmetic
     c12 = m1 + m2
     a0 = 0
     a1 = 0
     a2 = 0
+    mz = absbits(z[0])
     for i in range(y.size):
         x = np.float64(y[i])
         t0 = fma(x, x, m0)
@@ -264,17 +318,19 @@ def _folds_sq32(y, m0, m1, m2, one):
         a0 += bits64(t0)
         a1 += bits64(t1)
         a2 += bits64(r0 + (c12 - t1))
+        mz = umax(mz, absbits(z[i]))
     n = y.size  # every term carried its constant's bits: off they come (modular, exact)
-    return a0 - n * bits64(m0), a1 - n * bits64(m1), a2 - n * bits64(m2)
+    return a0 - n * bits64(m0), a1 - n * bits64(m1), a2 - n * bits64(m2), as_float(mz)
 
 
 @jit
-def _folds(y, p, m0, m1, m2, one):
+def _folds(y, z, p, m0, m1, m2, one):
     # float64 squares (rounded once, as numpy's v*v) or |x|: then the same extraction
     c12 = m1 + m2
     a0 = 0
     a1 = 0
     a2 = 0
+    mz = absbits(z[0])
     for i in range(y.size):
         x = np.float64(y[i])
         v = x * x if p == 2 else abs(x)
@@ -284,8 +340,9 @@ def _folds(y, p, m0, m1, m2, one):
         a0 += bits64(t0)
         a1 += bits64(t1)
         a2 += bits64(r0 + (c12 - t1))
+        mz = umax(mz, absbits(z[i]))
     n = y.size
-    return a0 - n * bits64(m0), a1 - n * bits64(m1), a2 - n * bits64(m2)
+    return a0 - n * bits64(m0), a1 - n * bits64(m1), a2 - n * bits64(m2), as_float(mz)
 
 
 @jit
@@ -324,37 +381,41 @@ def _deposit(counts, b, d):
 
 @jit
 def digits(x, p, counts, width, bin_lo, block):
+    # each block: its max |x| gives its top bin t (the next block's max is taken in this
+    # block's fold loop, where its loads overlap the arithmetic), then the three folds
     special = 0.0
     n = x.size
-    ahead = _AHEAD * 4 // x.itemsize
-    line = _LINE * 4 // x.itemsize
+    t, m = _block_top(x[:block], p, width)
     for start in range(0, n, block):
-        if x.itemsize == 4:  # (float64 measured slower with the hints)
-            for i in range(start + ahead, min(start + block + ahead, n), line):
-                prefetch(x, i)
         y = x[start : start + block]
-        m = as_float(_absmax(y))
+        nxt = start + block
+        fused = nxt + block <= n  # the next block is full: its max comes with this block's folds
+        z = x[nxt : nxt + block] if fused else y
+        mz = -1.0  # not taken
         if not m < np.inf:  # inf or NaN: the block is special, its digits are not counted
             special += m
-            continue
-        if m == 0.0:
-            continue
-        t = _top_bin(m, p, width)
-        u = width * t  # the top bin's unit is 2**u
-        if 52 + u <= 1023 and u - 2 * width >= -1000:
-            m0 = math.ldexp(1.5, 52 + u)
-            m1 = math.ldexp(1.5, 52 + u - width)
-            m2 = math.ldexp(1.5, 52 + u - 2 * width)
-            one = m / m  # 1.0, unknown to the compiler
-            if p == 2 and x.itemsize == 4:
-                d0, d1, d2 = _folds_sq32(y, m0, m1, m2, one)
+        elif m > 0.0:
+            u = width * t  # the top bin's unit is 2**u
+            if 52 + u <= 1023 and u - 2 * width >= -1000:
+                m0 = from_bits((52 + u + 1023) << 52 | 1 << 51)  # 1.5 * 2**(52 + u)
+                m1 = from_bits((52 + u - width + 1023) << 52 | 1 << 51)
+                m2 = from_bits((52 + u - 2 * width + 1023) << 52 | 1 << 51)
+                one = m / m  # 1.0, unknown to the compiler
+                if p == 2 and x.itemsize == 4:
+                    d0, d1, d2, mz = _folds_sq32(y, z, m0, m1, m2, one)
+                else:
+                    d0, d1, d2, mz = _folds(y, z, p, m0, m1, m2, one)
             else:
-                d0, d1, d2 = _folds(y, p, m0, m1, m2, one)
-        else:
-            d0, d1, d2 = _folds_scaled(y, p, u // p, width)
-        _deposit(counts, t - bin_lo, d0)
-        _deposit(counts, t - 1 - bin_lo, d1)
-        _deposit(counts, t - 2 - bin_lo, d2)
+                d0, d1, d2 = _folds_scaled(y, p, u // p, width)
+            _deposit(counts, t - bin_lo, d0)
+            _deposit(counts, t - 1 - bin_lo, d1)
+            _deposit(counts, t - 2 - bin_lo, d2)
+        if nxt < n:  # the next block's top bin
+            if fused and mz >= 0.0:
+                m = mz
+                t = _top_bin(m, p, width) if 0.0 < m < np.inf else 0
+            else:
+                t, m = _block_top(x[nxt : nxt + block], p, width)
     return special
 
 
