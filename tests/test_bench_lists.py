@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gclip._lab.cli import UsageError
-from gclip.bench import lists, options, sweep, targets, workloads
+from gclip.bench import lists, options, sweep, table, targets, workloads
 from gclip.bench.ops import Norm
 
 
@@ -52,7 +52,7 @@ def test_list_rows_arithmetic():
     assert rows["gclip-repro"]["vs_default"] == pytest.approx(1.5)
     assert rows["gclip"]["misses"] == 1 and "misses" not in rows["torch-foreach"]
     assert rows["gclip"]["elements"] == 128_000
-    text = lists.format_lists(list(rows.values()))
+    text = table.format_lists(list(rows.values()))
     assert "tiny" in text and "0.25" in text
 
 

@@ -19,11 +19,10 @@ from typing import Any
 
 from ..strategies import TORCH_EPS
 from .ops import Norm
-from .table import columns, fmt_t
 from .timing import slowest_rank_medians, time_reps
 from .workloads import DELTA, INACTIVE_FACTOR, ListWorkload, list_arrays
 
-__all__ = ["bench_list", "format_lists", "list_rows", "torch_foreach"]
+__all__ = ["bench_list", "list_rows", "torch_foreach"]
 
 
 def torch_foreach(torch_ctx: Any, arrays: list, norm: Norm, limit: Callable[[], float], active: bool):
@@ -118,21 +117,3 @@ def list_rows(workload: ListWorkload, active: bool, times: dict[str, dict], miss
             row["misses"] = misses if active else 0
         rows.append(row)
     return rows
-
-
-def format_lists(rows: list[dict]) -> str:
-    """The list workloads' table (empty when none ran)."""
-    if not rows:
-        return ""
-    head = ["workload", "tensors", "clip", "gclip", "per tensor", "repro", "x dflt", "torch-foreach"]
-    head += ["gclip/torch", "repro/torch"]
-    lines = [head]
-    keys = sorted({(r["workload"], r["active"]) for r in rows}, key=lambda k: (k[0], k[1]))
-    for name, active in keys:
-        got = {r["impl"]: r for r in rows if (r["workload"], r["active"]) == (name, active)}
-        g, p, t = got["gclip"], got["gclip-repro"], got.get("torch-foreach")
-        line = [name, str(g["tensors"]), "active" if active else "off", fmt_t(g["median_s"])]
-        line += [fmt_t(g["per_tensor_s"]), fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
-        line += [fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}", f"{p['vs_torch']:.2f}"] if t else ["-"] * 3
-        lines.append(line)
-    return columns(lines)
