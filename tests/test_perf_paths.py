@@ -297,3 +297,23 @@ def test_validate_fast_path_keeps_the_list_and_container(kernels):
     assert got.container is tuple and got.slots is None and got.as_given() is arrays
     res = gclip.clip_by_global_norm(arrays, 1.0, comm=COMM)
     assert isinstance(res.grads, tuple) and len(res.grads) == 20
+
+
+def test_one_header_read_per_clip(kernels, monkeypatch):
+    # the checks read the table once; the sum and the in-place scale reuse it
+    reads = []
+    original = type(kernels).table
+
+    def counted(self, arrays, writable=False):
+        reads.append(writable)
+        return original(self, arrays, writable)
+
+    monkeypatch.setattr(type(kernels), "table", counted)
+    arrays = [np.ones(8) for _ in range(20)]
+    res = gclip.clip_by_global_norm(arrays, 1.0, comm=COMM, inplace=True)
+    assert reads == [True]
+    assert res.scale < 1 and np.linalg.norm(np.concatenate(arrays)) == pytest.approx(1.0)
+    reads.clear()
+    gclip.global_norm(arrays, comm=COMM)
+    gclip.apply_scale(arrays, 0.5, inplace=True)
+    assert reads == [False, True]

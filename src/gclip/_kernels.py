@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BLOCK", "MANY", "MIN_SIZE", "Kernels", "Table", "get"]
+__all__ = ["BLOCK", "MANY", "MIN_SIZE", "Checked", "Kernels", "Table", "get"]
 
 MIN_SIZE = 1 << 15  # elements: below this numpy's path is as fast and numba's import is not worth it
 MANY = 16  # arrays: from this many on, one compiled call beats a numpy call per array
@@ -66,6 +66,17 @@ def _overlaps(t: Table) -> bool:
     return bool(np.any(start[1:] < np.maximum.accumulate(end)[:-1]))
 
 
+class Checked(list):
+    """A list of arrays with the table the argument checks read for it on this call.
+
+    It is gclip's own copy of the caller's list, so nothing changes it before the
+    call ends; the sum, the scale and the digits reuse the table instead of reading
+    the headers again."""
+
+    table: Table
+    writable: bool  # read with the writable flag required (good for an in-place scale)
+
+
 class Kernels:
     """The compiled functions, and the array headers' layout they read."""
 
@@ -89,6 +100,12 @@ class Kernels:
             lay[-1] |= _WRITEABLE
         compiled = self.fns.inspect(ids, lay, ptr, size, kind)
         return Table(ptr, size, kind, int(compiled))
+
+    def table_for(self, arrays: Any, writable: bool = False) -> Table | None:
+        """The table the checks read for this very list on this call, else :meth:`table`."""
+        if type(arrays) is Checked and (arrays.writable or not writable):
+            return arrays.table
+        return self.table(arrays, writable)
 
     def sumsq(self, t: Table) -> float:
         return float(self.fns.sumsq_table(t.ptr, t.size, t.kind))

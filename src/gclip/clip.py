@@ -377,7 +377,7 @@ def _multiply_many(arrays: list[np.ndarray], scale: float) -> Sequence[np.ndarra
     """Scales in place, in one compiled call, the arrays the kernels take (as
     :func:`_multiply` would); returns the others."""
     kernels = _kernels.get()
-    table = kernels.table(arrays, writable=True) if kernels is not None else None
+    table = kernels.table_for(arrays, writable=True) if kernels is not None else None
     if table is None or not table.compiled:
         return arrays
     kernels.scale(table, scale, _toward_zero32(scale))

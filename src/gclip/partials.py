@@ -162,7 +162,7 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
 def _compiled_sumsq(arrays: Sequence[np.ndarray]) -> tuple[float, Sequence[np.ndarray]]:
     """(sum of squares of the arrays the kernels take, the arrays left to numpy)."""
     kernels = _kernels.get()
-    table = kernels.table(arrays) if kernels is not None else None
+    table = kernels.table_for(arrays) if kernels is not None else None
     if table is None or not table.compiled:
         return 0.0, arrays
     return kernels.sumsq(table), left_to_numpy(arrays, table)  # type: ignore[union-attr]
@@ -307,7 +307,7 @@ class BinnedPowerSum:
         kernels = _kernels.get() if size >= _kernels.MIN_SIZE or many else None
         rest = arrays
         if kernels is not None and many:  # one compiled call for every array it takes
-            table = kernels.table(arrays)
+            table = kernels.table_for(arrays)
             if table is not None and table.compiled:
                 special += kernels.digits(table, self.p, counts, self.W, self._BIN_LO)
                 rest = left_to_numpy(arrays, table)
