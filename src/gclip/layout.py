@@ -113,7 +113,7 @@ def counting(
                 f"replicated[{i}] must be True, False or a communicator, got {type(entry).__name__}"
             )
         owned.append(holding.position == 0)
-        held.setdefault(holding.members, []).append((tuple(a.shape), a.dtype.str))
+        held.setdefault(holding.members, []).append((tuple(a.shape), _dtype_code(a.dtype)))
         where[holding.members] = holding.position
     check = [0.0, 0.0]
     for members, items in held.items():
@@ -123,6 +123,11 @@ def counting(
             check[slot] += _ring(salt, members, i, what) - _ring(salt, members, (i + 1) % k, what)
     summary = {members: items for members, items in held.items()}
     return Counting(owned, (check[0], check[1]), summary, _explain)
+
+
+def _dtype_code(dtype: Any) -> str:
+    """numpy's code ('<f4'); a torch dtype's name ('torch.bfloat16': gclip.torch's tensors)."""
+    return dtype.str if isinstance(dtype, np.dtype) else str(dtype)
 
 
 def _ring(salt: bytes, members: tuple[int, ...], position: int, what: str) -> float:
@@ -218,7 +223,10 @@ def ranges(ranks: Sequence[int]) -> str:
 def _held(items: Any) -> str:
     if not items:
         return "declare none"
-    shapes = ", ".join(f"{list(shape)} {np.dtype(dt).name}" for shape, dt in items)
+    shapes = ", ".join(
+        f"{list(shape)} {dt[len('torch.') :] if dt.startswith('torch.') else np.dtype(dt).name}"
+        for shape, dt in items
+    )
     return f"declare {len(items)} array{'s' * (len(items) != 1)} ({shapes})"
 
 

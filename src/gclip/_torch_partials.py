@@ -1,0 +1,290 @@
+"""Local reductions of torch tensors, on the device where each tensor lives.
+
+The engine's backend for ``gclip.torch`` (see ``engine.norm_program``): the
+same functions as ``partials`` (count, power_sum, max_abs, scaled_power_sum,
+half_power_sum, binned_digits), computed with torch ops. Every sum is
+accumulated in float64; a float16, bfloat16 or float32 tensor is converted
+chunk by chunk into one reused float64 buffer per device, so no full-size
+float32 or float64 copy is ever made. Per-chunk partials stay on the device and
+are added there: each function synchronises once per device, never once per
+tensor or chunk; only the few numbers of the result cross to the host.
+
+The reproducible mode gives the very integer digit counts of
+``partials.BinnedPowerSum`` (in the bins the result keeps), so a norm is
+bitwise the same from numpy arrays or torch tensors, on any layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .partials import BinnedPowerSum
+
+__all__ = [
+    "CPU_CHUNK",
+    "DEVICE_CHUNK",
+    "binned_digits",
+    "chunk_size",
+    "chunks",
+    "count",
+    "half_power_sum",
+    "max_abs",
+    "power_sum",
+    "scaled_power_sum",
+]
+
+CPU_CHUNK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float64, stays in L2
+DEVICE_CHUNK = 1 << 20  # on an accelerator: 8 MiB of float64, few enough kernel launches
+_SAFE_HI = 2.0**960  # as partials.power_sum: ranks may still add up without overflow
+_SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
+
+
+def chunk_size(device: torch.device) -> int:
+    """Elements per working chunk on ``device`` (a multiple of BinnedPowerSum.BLOCK)."""
+    return CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK
+
+
+# ---------------------------------------------------------------------------
+# walking tensors in bounded chunks
+
+
+def chunks(t: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """1-D views of at most ``size`` elements that hold each element of ``t`` once.
+
+    Views, never copies (a transposed or channels-last tensor is walked in its
+    memory order).
+    """
+    for flat in _flat_views(t):
+        for start in range(0, flat.numel(), size):
+            yield flat[start : start + size]
+
+
+def _flat_views(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    if t.numel() == 0:
+        return
+    if t.dim() <= 1:
+        yield t.reshape(1) if t.dim() == 0 else t  # a 0-d tensor's view; a strided 1-D as it is
+        return
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    dense = t.permute(order)
+    if dense.is_contiguous():
+        yield dense.view(-1)
+        return
+    for sub in dense.unbind(0):  # gaps between rows: walk the outer axis until the rest is dense
+        yield from _flat_views(sub)
+
+
+def _float64_chunks(arrays: Sequence[torch.Tensor]) -> Iterator[tuple[torch.device, torch.Tensor]]:
+    """(device, chunk in float64) over every tensor: float64 chunks are views, the
+    others are converted into one reused buffer per device (the caller uses a chunk
+    before asking for the next; on an accelerator the stream keeps that order)."""
+    buffers: dict[torch.device, torch.Tensor] = {}
+    for t in arrays:
+        size = chunk_size(t.device)
+        for c in chunks(t, size):
+            if c.dtype == torch.float64:
+                yield t.device, c
+                continue
+            buf = buffers.get(t.device)
+            if buf is None:
+                buf = buffers[t.device] = torch.empty(size, dtype=torch.float64, device=t.device)
+            out = buf[: c.numel()]
+            out.copy_(c)  # converted on the fly, exactly (every float16/bfloat16/float32 is a float64)
+            yield t.device, out
+
+
+def _sum_on_devices(arrays: Sequence[torch.Tensor], per_chunk: Callable[[torch.Tensor], Any]) -> float:
+    """sum of per_chunk(float64 chunk) over all chunks: added on each device, one sync per device."""
+    parts: dict[torch.device, list[torch.Tensor]] = {}
+    for device, c in _float64_chunks(arrays):
+        parts.setdefault(device, []).append(per_chunk(c))
+    return sum((float(torch.stack(ps).sum()) for ps in parts.values()), 0.0)
+
+
+def _per_device(values: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for v in values:
+        out.setdefault(v.device, []).append(v)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the engine's backend
+
+
+def count(arrays: Sequence[torch.Tensor]) -> int:
+    """Elements in the tensors (no device work)."""
+    return sum(t.numel() for t in arrays)
+
+
+def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
+    """sum |x|**p accumulated in float64, and whether the engine must rescue it
+    (overflow, or underflow of tiny values), as ``partials.power_sum``."""
+    if p == 2.0:
+        total = _sum_on_devices(arrays, lambda c: torch.dot(c, c))
+    elif p == 1.0:
+        total = _sum_on_devices(arrays, lambda c: c.abs().sum())
+    else:
+        total = _sum_on_devices(arrays, lambda c: c.abs().pow_(p).sum())
+    if _SAFE_LO <= total <= _SAFE_HI:
+        return total, False
+    if total == 0.0 and not _any(arrays, lambda c: c.any()):
+        return 0.0, False  # all zeros: exact
+    if not math.isfinite(total) and _any(arrays, lambda c: ~torch.isfinite(c).all()):
+        return total, False  # the data holds inf or NaN: the norm is inf or NaN
+    return total, True
+
+
+def _any(arrays: Sequence[torch.Tensor], flag: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Does ``flag`` hold for some chunk? (rare paths only; chunked: no full-size temporary)"""
+    parts = _per_device([flag(c) for t in arrays for c in chunks(t, chunk_size(t.device))])
+    return any(bool(torch.stack(ps).any()) for ps in parts.values())
+
+
+def max_abs(arrays: Sequence[torch.Tensor]) -> tuple[float, bool]:
+    """(max |x|, any NaN): min and max in one read, no temporary; one sync per device."""
+    tops = []
+    for t in arrays:
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            tops.append(torch.maximum(hi, -lo).to(torch.float64))  # NaN propagates
+    best, nan = 0.0, False
+    for ps in _per_device(tops).values():
+        m = torch.stack(ps).amax()
+        got_top, got_nan = torch.stack([torch.where(m.isnan(), 0.0, m), m.isnan().double()]).tolist()
+        best, nan = max(best, got_top), nan or bool(got_nan)
+    return (0.0 if nan else best), nan
+
+
+def scaled_power_sum(arrays: Sequence[torch.Tensor], p: float, top: float) -> float:
+    """sum (|x| / top)**p for top = max|x| > 0: nothing overflows (the engine's rescue)."""
+    return _sum_on_devices(arrays, lambda c: c.abs().div_(top).pow_(p).sum())
+
+
+def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
+    """sum |x|**p accumulated in float16, as a half-precision framework would: a
+    deliberate bug of the gallery (overflows at 65504)."""
+    sums = []
+    for t in arrays:
+        for c in chunks(t, chunk_size(t.device)):
+            h = c.abs().to(torch.float16)
+            sums.append((h if p == 1.0 else h.pow(p)).sum(dtype=torch.float16))
+    total = np.float16(0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for ps in _per_device(sums).values():
+            for s in torch.stack(ps).cpu().numpy():
+                total = np.float16(total + s)
+    return float(total)
+
+
+# ---------------------------------------------------------------------------
+# the reproducible mode: BinnedPowerSum's digits, computed on the device
+
+
+def binned_digits(binned: BinnedPowerSum, arrays: Sequence[torch.Tensor]) -> np.ndarray:
+    """The reproducible mode's local part, laid out as ``binned.local(arrays)``.
+
+    BinnedPowerSum cuts each value into digits on a fixed grid of bins, starting
+    at the top bin of a block's largest value. A value's digit in a bin does not
+    depend on where the folds started (above its own top bin the digits are 0),
+    so any grouping gives the same digits in the bins the result keeps. Here the
+    groups are rows of BLOCK values: every row gets its own top bin, all rows of
+    a chunk are folded by the same few torch ops, and the digit counts add up on
+    the device, as integers. Only the counts come back to the host.
+    """
+    per_device: dict[torch.device, _Bins] = {}
+    for t in arrays:
+        bins = per_device.get(t.device)
+        if bins is None:
+            bins = per_device[t.device] = _Bins(binned, t.device)
+        for c in chunks(t, chunk_size(t.device)):
+            bins.deposit(c)
+    counts = [0] * binned.nbins
+    special = 0.0
+    for bins in per_device.values():
+        row_counts, nan, inf = bins.result()
+        counts = [a + b for a, b in zip(counts, row_counts)]
+        special = math.nan if nan or math.isnan(special) else (math.inf if inf else special)
+    return _pack(binned, counts, count(arrays), special)
+
+
+_DIGIT_MASK = (1 << 24) - 1  # a row's digit sum (|s| < 2**53) is carried as hi * 2**24 + lo
+
+
+class _Bins:
+    """One device's digit counts per bin, as int64 pairs that cannot overflow."""
+
+    def __init__(self, binned: BinnedPowerSum, device: torch.device) -> None:
+        self.binned = binned
+        self.lo = torch.zeros(binned.nbins, dtype=torch.int64, device=device)
+        self.hi = torch.zeros(binned.nbins, dtype=torch.int64, device=device)
+        self.flags = torch.zeros(2, dtype=torch.int64, device=device)  # rows holding NaN, inf
+        self.rows = torch.zeros(chunk_size(device), dtype=torch.float64, device=device)
+
+    def deposit(self, c: torch.Tensor) -> None:
+        b = self.binned
+        p, W, block = b.p, b.W, b.BLOCK
+        n = c.numel()
+        padded = -(-n // block) * block
+        v = self.rows[:padded]
+        v[:n].copy_(c)  # converted to float64 on the way, exactly
+        v[n:].zero_()
+        v = v.view(-1, block).abs_()  # rows of BLOCK values: each row's digit sums stay below 2**53
+        m = v.amax(dim=1)  # NaN propagates
+        self.flags += torch.stack([m.isnan().sum(), m.isinf().sum()])
+        live = torch.isfinite(m) & (m > 0)  # other rows give no digits: zeros, or inf/NaN (flagged)
+        v.masked_fill_(~live.unsqueeze(1), 0.0)
+        # the row's top bin t, exactly as BinnedPowerSum._deposit computes it from the block's max
+        fm, em = torch.frexp(m)
+        gm, ge = torch.frexp(fm * fm if p == 2 else fm)
+        ceil_log2 = ge.long() + p * em.long() - (gm == 0.5).long()
+        top = -torch.div(-(ceil_log2 - W + 1), W, rounding_mode="floor")
+        top = torch.where(live, top, b._BIN_LO + b.K - 1)  # any bin in range: those rows are 0
+        k = torch.div(W * top, p, rounding_mode="floor")  # |x| * 2**-k puts bin t's unit at 1
+        k = torch.where(live, k, 0)
+        # 2**-k as two factors that are normal floats (|k| < 2046): a normal result is exact, and
+        # a result that is not is far below the last bin kept, so it gives no digit either way
+        k1 = torch.div(k, 2, rounding_mode="floor")
+        v.mul_(_pow2(-k1).unsqueeze(1)).mul_(_pow2(k1 - k).unsqueeze(1))
+        if p == 2:
+            v.mul_(v)
+        for i in range(b.K):
+            q = torch.round(v)  # round half to even: the extractor trick's rounding
+            sums = q.sum(dim=1).long()  # whole numbers below 2**53: exact in any order
+            where = top - i - b._BIN_LO
+            self.lo.index_add_(0, where, sums & _DIGIT_MASK)
+            self.hi.index_add_(0, where, sums >> 24)
+            if i + 1 < b.K:
+                v.sub_(q).mul_(2.0**W)  # the remainder, scaled so the next bin's unit is 1 (exact)
+
+    def result(self) -> tuple[list[int], bool, bool]:
+        """(the counts per bin, any NaN, any inf), read from the device at once."""
+        n = self.binned.nbins
+        got = torch.cat([self.lo, self.hi, self.flags]).tolist()
+        counts = [h * (1 << 24) + low for low, h in zip(got[:n], got[n : 2 * n])]
+        return counts, got[2 * n] > 0, got[2 * n + 1] > 0
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0**e, exactly, for integer e in [-1022, 1023], built from its bits."""
+    return ((e + 1023) << 52).view(torch.float64)
+
+
+def _pack(binned: BinnedPowerSum, counts: list[int], total: int, special: float) -> np.ndarray:
+    """The digit counts in BinnedPowerSum.local's layout: [count, special, digits...],
+    each bin as base-2**24 float64 digits (so the SUM over ranks stays exact)."""
+    out = np.zeros(binned.size)
+    out[0] = total
+    out[1] = special
+    base = 1 << binned._DIGIT_BITS
+    for i, n in enumerate(counts):
+        for d in range(binned._DIGITS - 1):
+            out[2 + i * binned._DIGITS + d] = n % base
+            n //= base
+        out[2 + i * binned._DIGITS + binned._DIGITS - 1] = n
+    return out

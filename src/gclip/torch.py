@@ -1,0 +1,477 @@
+"""gclip for PyTorch: ``torch.nn.utils.clip_grad_norm_`` over every rank of a job.
+
+::
+
+    from gclip.torch import clip_grad_norm_
+
+    total_norm = clip_grad_norm_(model.parameters(), max_norm=1.0)
+
+The signatures and returns of torch's ``clip_grad_norm_``, ``get_total_norm``
+and ``clip_grads_with_norm_``, plus gclip's keyword-only extras (``comm``,
+``replicated``, ``reproducible``, ``mode``). The norm is gclip's engine: each
+rank's partial, ONE all-reduce of a small header, the same scale on every
+rank, and any rank's bad input raised as the same error on every rank.
+
+- ``comm``: an mpi4py communicator or a ``torch.distributed`` ProcessGroup
+  (gloo; NCCL on GPUs). ``None``: the default torch.distributed group when it
+  is initialised, else MPI's COMM_WORLD (refused when MPI sees one rank but the
+  process was launched as one of several).
+- Partials are computed where each tensor lives (``gclip._torch_partials``):
+  float64 accumulation in bounded chunks, one sync per device; only the
+  header's few numbers cross to the host; the scale is applied on the device,
+  each gradient in its own dtype.
+- The norm comes back as a float64 0-d tensor on the first gradient's device:
+  its value is the float64 global norm (torch returns the gradients' dtype).
+
+See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - torch is an optional extra
+    raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
+
+from . import _torch_partials, _validate, clip, engine, layout
+from .errors import GclipError, GclipTypeError, GclipValueError
+from .strategies import NormOp
+
+__all__ = ["FLOAT_DTYPES", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------
+# the communicator: mpi4py, or a torch.distributed process group
+
+
+class _Mpi:
+    """An mpi4py communicator: the engine's MPI driver."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def run(self, program: engine.Program) -> engine.NormInfo:
+        return engine.run_mpi(program, self.comm)
+
+    def group(self, entry: Any, index: int) -> layout.Group:
+        """A replicated= communicator as the ranks of comm it holds."""
+        return layout.Group(layout._members(entry, self.comm, index), entry.Get_rank())
+
+
+class _TorchGroup:
+    """A torch.distributed process group: the same program, its header all-reduced by torch."""
+
+    def __init__(self, group: Any) -> None:
+        self.process_group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = {g: i for i, g in enumerate(_global_ranks(group))}  # global rank -> rank in group
+        # NCCL reduces only tensors on the current CUDA device; gloo (or "cpu:gloo,cuda:nccl") on the CPU
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def run(self, program: engine.Program) -> engine.NormInfo:
+        try:
+            request = next(program)
+            while True:
+                if type(request) is engine.Reduce:
+                    buf = torch.tensor(request.data, dtype=torch.float64, device=self.device)
+                    op = dist.ReduceOp.MAX if request.op is NormOp.MAX else dist.ReduceOp.SUM
+                    dist.all_reduce(buf, op=op, group=self.process_group)
+                    request = program.send(buf.cpu().numpy())
+                else:  # the error path: one small picklable item per rank
+                    items: list[Any] = [None] * self.size
+                    dist.all_gather_object(items, request.item, group=self.process_group)
+                    request = program.send(items)
+        except StopIteration as done:
+            return done.value
+
+    def group(self, entry: Any, index: int) -> layout.Group:
+        """A replicated= process group as the ranks of comm it holds (layout's rank translation)."""
+        if entry is dist.GroupMember.NON_GROUP_MEMBER:
+            raise GclipValueError(f"replicated[{index}]: this rank is not in that process group")
+        if not _is_process_group(entry):
+            raise GclipTypeError(
+                f"replicated[{index}] must be True, False or a torch.distributed ProcessGroup "
+                f"(comm is a process group), got {type(entry).__name__}"
+            )
+        members = _global_ranks(entry)
+        if any(g not in self.ranks for g in members):
+            raise GclipValueError(f"replicated[{index}]: the process group has ranks outside comm")
+        return layout.Group(tuple(self.ranks[g] for g in members), dist.get_rank(entry))
+
+
+def _global_ranks(group: Any) -> list[int]:
+    """The group's members as global ranks, in the order of their rank in the group."""
+    return sorted(dist.get_process_group_ranks(group), key=lambda g: dist.get_group_rank(group, g))
+
+
+def _is_process_group(comm: Any) -> bool:
+    return dist.is_available() and isinstance(comm, dist.ProcessGroup)
+
+
+def _world(comm: Any) -> _Mpi | _TorchGroup:
+    """What to clip over; a one-line error otherwise (the same on every rank: no collective yet)."""
+    if comm is None:
+        if dist.is_available() and dist.is_initialized():
+            return _TorchGroup(dist.group.WORLD)
+        return _Mpi(_mpi_world())
+    if _is_process_group(comm):
+        return _TorchGroup(comm)
+    if hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce"):
+        return _Mpi(comm)
+    raise GclipTypeError(
+        f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, got {type(comm).__name__}"
+    )
+
+
+def _mpi_world() -> Any:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    launched = clip.launched_size() if world.Get_size() == 1 else None
+    if launched is not None:
+        n, why = launched
+        raise GclipError(
+            f"comm=None: torch.distributed is not initialised and MPI sees 1 rank, but this process "
+            f"is one of {n} ({why}); clipping here would use this process's own norm. Call "
+            "torch.distributed.init_process_group() first, or pass comm="
+        )
+    return world
+
+
+# ---------------------------------------------------------------------------
+# the gradients
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    """A tensor -> [it]; any iterable (a generator too) read exactly once."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise GclipTypeError(f"{name} must be a tensor or an iterable of tensors, got {type(value).__name__}")
+    return list(value)
+
+
+def _checked(g: Any, where: str) -> torch.Tensor:
+    if not isinstance(g, torch.Tensor):
+        hint = " (named_parameters()? pass the parameters alone)" if isinstance(g, tuple) else ""
+        raise GclipTypeError(f"{where} must be a tensor, got {type(g).__name__}{hint}")
+    if hasattr(g, "to_local"):
+        raise GclipTypeError(f"{where} is a DTensor: pass its local shard (.to_local()) and replicated=")
+    if g.layout != torch.strided:
+        raise GclipTypeError(f"{where} is a {g.layout} tensor; gclip clips dense tensors")
+    if g.dtype not in FLOAT_DTYPES:
+        raise GclipTypeError(
+            f"{where} has dtype {g.dtype}; gclip clips float16, bfloat16, float32 or float64"
+        )
+    return g
+
+
+class _Gradients(NamedTuple):
+    tensors: list[torch.Tensor]  # each distinct gradient once
+    entries: list[Any] | None  # its replicated= entry (None: none given)
+
+
+def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradients:
+    """The gradients to clip: parameters' .grad (None skipped) or the tensors themselves.
+
+    The same gradient given twice counts once and is scaled once; two that
+    overlap in memory in part are an error.
+    """
+    name = "parameters" if of_parameters else "tensors"
+    items = _as_list(items, name)
+    if replicated is not None:
+        if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
+            raise GclipTypeError(f"replicated must be a list with one entry per {name[:-1]}")
+        if len(replicated) != len(items):
+            raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
+    picked: list[tuple[str, torch.Tensor, Any]] = []
+    for i, item in enumerate(items):
+        if of_parameters:
+            if not isinstance(item, torch.Tensor):
+                _checked(item, f"parameters[{i}]")  # raises: says what it is
+            if item.grad is None:
+                continue  # as torch: a parameter without a gradient is skipped
+            where, g = f"parameters[{i}].grad", item.grad
+        else:
+            if item is None:
+                raise GclipTypeError(f"tensors[{i}] is None: pass only the gradients that exist")
+            where, g = f"tensors[{i}]", item
+        picked.append((where, _checked(g, where), None if replicated is None else replicated[i]))
+    kept = _distinct(picked)
+    return _Gradients([g for _, g, _ in kept], None if replicated is None else [e for _, _, e in kept])
+
+
+def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor, Any]]:
+    """Drop repeats of one gradient (the same tensor, or the same view of one memory);
+    refuse gradients that share memory in part. Only tensors of one storage are compared."""
+    by_memory: dict[tuple[Any, int], list[int]] = {}
+    first: dict[Any, int] = {}  # a gradient's identity -> its first position
+    repeat: dict[int, int] = {}
+    for i, (_, g, _) in enumerate(picked):
+        if id(g) in first:
+            repeat[i] = first[id(g)]
+            continue
+        first[id(g)] = i
+        if g.numel():
+            by_memory.setdefault((g.device, g.untyped_storage().data_ptr()), []).append(i)
+    for members in by_memory.values():
+        if len(members) > 1:
+            repeat.update(_same_memory(picked, members))
+    for i, j in repeat.items():
+        (where_j, _, entry_j), (where_i, _, entry_i) = picked[j], picked[i]
+        if not _validate._same_entry(entry_j, entry_i):
+            raise GclipValueError(
+                f"{where_j} and {where_i} are the same gradient but replicated gives them different "
+                f"entries ({entry_j!r}, {entry_i!r})"
+            )
+    return [item for i, item in enumerate(picked) if i not in repeat]
+
+
+def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:
+    """Among gradients of one storage: the same view -> its first; spans that overlap otherwise: an error."""
+    spans = sorted((_span(picked[i][1]), i) for i in members)
+    repeat: dict[int, int] = {}
+    for (span_a, a), (span_b, b) in zip(spans, spans[1:]):
+        if span_b[0] >= span_a[1]:
+            continue
+        ga, gb = picked[a][1], picked[b][1]
+        if span_a == span_b and ga.shape == gb.shape and ga.stride() == gb.stride() and ga.dtype == gb.dtype:
+            repeat[max(a, b)] = min(a, b)
+            continue
+        lo, hi = sorted((a, b))
+        raise GclipValueError(
+            f"{picked[lo][0]} and {picked[hi][0]} overlap in memory without being the same tensor: "
+            "each value must be given once"
+        )
+    return repeat
+
+
+def _span(g: torch.Tensor) -> tuple[int, int]:
+    """[first byte, past the last byte] of a non-empty tensor's elements."""
+    lo = hi = g.data_ptr()
+    for n, stride in zip(g.shape, g.stride()):
+        step = (n - 1) * stride * g.element_size()
+        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+    return lo, hi + g.element_size()
+
+
+# ---------------------------------------------------------------------------
+# one rank's checked call, the norm, the scale
+
+
+class _Call(NamedTuple):
+    grads: list[torch.Tensor]
+    spec: engine.Spec
+    limit: float
+    error_if_nonfinite: bool
+    counting: engine.Counting
+    error: BaseException | None
+
+
+def _prepare(
+    world: _Mpi | _TorchGroup,
+    collect: Callable[[], _Gradients],
+    max_norm: Any,
+    *,
+    norm_type: Any,
+    mode: Any,
+    reproducible: bool,
+    error_if_nonfinite: bool,
+) -> _Call:
+    """Check every argument; an error is kept, to be raised on every rank together."""
+    grads: list[torch.Tensor] = []
+    spec, limit, counting, error = clip._FALLBACK_SPEC, math.nan, engine.EVERY_ARRAY, None
+    try:
+        spec, limit = clip._settings(mode, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
+        grads, entries = collect()
+        if entries is not None:
+            groups = [e if _is_flag(e) else world.group(e, i) for i, e in enumerate(entries)]
+            counting = layout.counting(groups, grads, rank=world.rank, size=world.size)
+    except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
+        grads, counting, error = [], engine.EVERY_ARRAY, exc
+    return _Call(grads, spec, limit, bool(error_if_nonfinite), counting, error)
+
+
+def _is_flag(entry: Any) -> bool:
+    return entry is None or isinstance(entry, (bool, np.bool_))
+
+
+def _global_norm(world: _Mpi | _TorchGroup, call: _Call) -> float:
+    def check() -> None:
+        if call.error is not None:
+            raise call.error
+
+    program = engine.norm_program(
+        call.grads,
+        call.spec,
+        rank=world.rank,
+        size=world.size,
+        counting=call.counting,
+        check=check,
+        error_if_nonfinite=call.error_if_nonfinite,
+        backend=_torch_partials,
+    )
+    return world.run(program).norm
+
+
+def _norm_tensor(norm: float, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The norm as torch returns it (a 0-d tensor on the first gradient's device), in float64.
+    (torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device)"""
+    return torch.full((), norm, dtype=torch.float64, device=grads[0].device if grads else "cpu")
+
+
+def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -> None:
+    """Multiply each gradient in place, in its own dtype, by ``scale`` rounded toward zero.
+
+    float64: the product, rounded once. float32, float16 and bfloat16: torch
+    computes in float32 with the scale rounded toward zero to float32 (never up,
+    so rounding the scale cannot lift the clipped norm above the limit), then
+    rounds each product to the gradient's dtype. The scale travels as a 0-d
+    tensor on the device, as torch's clip does: no sync, and foreach kernels keep
+    it in float32 (given as a Python float, they round it to bfloat16 on the CPU).
+    """
+    if scale == 1.0 or not grads:  # exactly 1: nothing to do, not even a read
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in groups.items():
+        if dtype == torch.float64:
+            factor = torch.full((), scale, dtype=torch.float64, device=device)
+        else:
+            factor = torch.full((), _float32_toward_zero(scale), dtype=torch.float32, device=device)
+        if foreach is False:
+            for g in group:
+                g.mul_(factor)
+        else:
+            torch._foreach_mul_(group, factor)
+
+
+def _float32_toward_zero(x: float) -> float:
+    x32 = np.float32(x)
+    if float(x32) > x:
+        x32 = np.nextafter(x32, np.float32(0.0))
+    return float(x32)
+
+
+# ---------------------------------------------------------------------------
+# the API (torch's signatures, gclip's keyword-only extras)
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    comm: Any = None,
+    replicated: Sequence[Any] | None = None,
+    reproducible: bool = False,
+) -> torch.Tensor:
+    """The global norm of the tensors of every rank of ``comm``, as one vector.
+
+    As ``torch.nn.utils.get_total_norm``, over the ranks of ``comm``: each
+    rank passes its own tensors (its gradients; None is an error). Returns the
+    norm as a float64 0-d tensor on the first tensor's device, the same on every
+    rank. ``foreach`` is accepted for torch's signature; the partials are
+    computed in bounded float64 chunks either way.
+
+    Args:
+        comm: an mpi4py communicator or a torch.distributed ProcessGroup;
+            None: the default torch.distributed group if initialised, else MPI COMM_WORLD.
+        replicated: one entry per tensor: False (a shard), True (the same on
+            every rank of comm), or the communicator / ProcessGroup of the ranks
+            that hold identical copies (it counts once; see ``gclip.layout``).
+        reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
+    """
+    world = _world(comm)
+    call = _prepare(
+        world,
+        lambda: _gradients(tensors, replicated, of_parameters=False),
+        clip._NO_LIMIT,
+        norm_type=norm_type,
+        mode="global",
+        reproducible=reproducible,
+        error_if_nonfinite=error_if_nonfinite,
+    )
+    return _norm_tensor(_global_norm(world, call), call.grads)
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor | float,
+    foreach: bool | None = None,
+) -> None:
+    """Scale the parameters' gradients in place by min(1, max_norm / total_norm).
+
+    As ``torch.nn.utils.clip_grads_with_norm_``, with gclip's exact scale (no
+    ``+ 1e-6``; an inf or NaN norm leaves the gradients untouched). Local: no
+    communication; pass the global norm from :func:`get_total_norm`.
+    """
+    scale = clip.clip_scale(total_norm, max_norm)
+    grads, _ = _gradients(parameters, None, of_parameters=True)
+    _scale_(grads, scale, foreach)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    comm: Any = None,
+    replicated: Sequence[Any] | None = None,
+    reproducible: bool = False,
+    mode: str = "global",
+) -> torch.Tensor:
+    """Clip the gradients of every rank's parameters by their GLOBAL norm, in place.
+
+    As ``torch.nn.utils.clip_grad_norm_``, over the ranks of ``comm``: every
+    rank's gradients are scaled by the same min(1, max_norm / global norm).
+    ``parameters`` is a tensor or any iterable (a generator is read once);
+    parameters without a gradient are skipped; the same parameter given twice
+    counts and is scaled once. A non-finite norm leaves the gradients untouched
+    (check the returned norm, or pass ``error_if_nonfinite=True``: then
+    NonFiniteNormError on every rank).
+
+    Args:
+        max_norm: the limit, finite and >= 0 (a number or a 0-d tensor).
+        norm_type: p > 0, or inf / 'inf'.
+        foreach: False scales tensor by tensor; None or True with torch's foreach kernels.
+        comm, replicated, reproducible: as in :func:`get_total_norm` (one
+            replicated entry per parameter given).
+        mode: "global", or a bug of the gallery (``gclip.strategies``), to show what it does.
+
+    Returns:
+        The global norm before clipping: a float64 0-d tensor on the first
+        gradient's device, the same value on every rank.
+    """
+    world = _world(comm)
+    call = _prepare(
+        world,
+        lambda: _gradients(parameters, replicated, of_parameters=True),
+        max_norm,
+        norm_type=norm_type,
+        mode=mode,
+        reproducible=reproducible,
+        error_if_nonfinite=error_if_nonfinite,
+    )
+    norm = _global_norm(world, call)
+    _scale_(call.grads, call.spec.strategy.scale(norm, call.limit), foreach)
+    return _norm_tensor(norm, call.grads)

@@ -1,0 +1,106 @@
+"""Launch mpirun and torchrun jobs from plain tests, under a timeout that ends them all.
+
+A launcher runs in a session of its own; on timeout its whole process group
+gets SIGTERM (torchrun passes it on to its workers, which run in sessions of
+their own), then SIGKILL. The scripts also arm ``watchdog()``, so a worker
+that outlives its launcher ends itself.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB_TIMEOUT = int(os.environ.get("GCLIP_TEST_TIMEOUT", "180"))
+# variables by which a launcher tells a process it is one of several (MPI's and torchrun's)
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALNRANKS", "SLURM_")
+LAUNCHER_NAMES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_env(**extra: str) -> dict:
+    """This interpreter's venv on PATH, src/ importable, no launcher's variables inherited."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES
+    }
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["GCLIP_JOB_TIMEOUT"] = str(JOB_TIMEOUT)
+    env["OMP_NUM_THREADS"] = "1"  # several ranks share few cores
+    return {**env, **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun_cmd(n: int, *args: str) -> list[str]:
+    exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+    if exe is None:
+        pytest.skip("no mpirun on PATH")
+    return [exe, "-n", str(n), *args]
+
+
+def torchrun_cmd(n: int, *args: str) -> list[str]:
+    port = str(free_port())
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        *args,
+    ]
+
+
+def run_job(cmd: list[str], *, env: dict, timeout: int = JOB_TIMEOUT) -> subprocess.CompletedProcess:
+    """Run ``cmd``; on timeout end its process group and fail the test."""
+    env = {**env, "MPIEXEC_TIMEOUT": str(timeout)}  # Hydra's own watchdog, a backstop
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _end(proc)
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s and was ended\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _end(proc: subprocess.Popen) -> tuple[str, str]:
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.communicate()  # pragma: no cover - SIGKILL always ends it
+
+
+def watchdog() -> None:
+    """In a job's script: exit (with a traceback) if the job outlives its timeout."""
+    faulthandler.dump_traceback_later(int(os.environ.get("GCLIP_JOB_TIMEOUT", "180")) + 30, exit=True)
