@@ -150,39 +150,32 @@ fast = numba.njit(fastmath={"reassoc"}, nogil=True, cache=True)
 jit = numba.njit(nogil=True, cache=True)
 
 
+# the slots of the layout array _kernels passes (offsets into an array object, then the
+# addresses of numpy.ndarray and of the native float32 and float64 dtypes, then the flags needed)
+_TYPE, _DATA, _ND, _DIMS, _FLAGS, _DESCR, _NDARRAY, _DESCR32, _DESCR64, _NEED = range(10)
+
+
 @numba.njit(cache=True)  # holds the GIL: no other thread changes the arrays while they are read
 def inspect(ids, lay, ptr, size, kind):
-    t_off, d_off, nd_off, dims_off, fl_off, de_off, nd_type, f32, f64, need = (
-        lay[0],
-        lay[1],
-        lay[2],
-        lay[3],
-        lay[4],
-        lay[5],
-        lay[6],
-        lay[7],
-        lay[8],
-        lay[9],
-    )
     compiled = 0
     for j in range(ids.size):
         o = ids[j]
         kind[j] = 0
         ptr[j] = 0
         size[j] = 0
-        if peek64(o + t_off) != nd_type:  # an exact ndarray (no subclass): its fields follow
+        if peek64(o + lay[_TYPE]) != lay[_NDARRAY]:  # an exact ndarray (no subclass): its fields follow
             continue
-        de = peek64(o + de_off)
-        k = F32 if de == f32 else F64 if de == f64 else 0
-        flags = peek32(o + fl_off)
-        if k == 0 or flags & need != need or flags & (_C_CONTIGUOUS | _F_CONTIGUOUS) == 0:
+        descr = peek64(o + lay[_DESCR])
+        k = F32 if descr == lay[_DESCR32] else F64 if descr == lay[_DESCR64] else 0
+        flags = peek32(o + lay[_FLAGS])
+        if k == 0 or flags & lay[_NEED] != lay[_NEED] or flags & (_C_CONTIGUOUS | _F_CONTIGUOUS) == 0:
             continue
-        dims = peek64(o + dims_off)
+        dims = peek64(o + lay[_DIMS])
         n = 1
-        for d in range(peek32(o + nd_off)):
+        for d in range(peek32(o + lay[_ND])):
             n *= peek64(dims + 8 * d)
         kind[j] = k
-        ptr[j] = peek64(o + d_off)
+        ptr[j] = peek64(o + lay[_DATA])
         size[j] = n
         compiled += 1
     return compiled

@@ -150,12 +150,12 @@ def _header_layout(inspect: Any) -> np.ndarray | None:
     if sys.implementation.name != "cpython":
         return None
     head = object.__basicsize__  # PyObject_HEAD: ob_type is its last field
-    layout = np.array(
+    layout = np.array(  # in _jit's slot order; numpy's PyArrayObject_fields after the head
         [
             head - 8,  # ob_type
             head,  # data
             head + 8,  # nd
-            head + 16,  # dimensions
+            head + 16,  # dimensions (then strides, base)
             head + 48,  # flags
             head + 40,  # descr
             id(np.ndarray),
