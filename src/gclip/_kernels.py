@@ -1,134 +1,206 @@
-"""Optional compiled kernels, for large shards, when numba is installed (``gclip[fast]``).
+"""Compiled kernels (numba): installed with gclip where numba has wheels.
 
 numpy alone cannot square float32 values in float64 without a conversion pass,
-nor fuse the reproducible mode's folds; a compiled loop does both at memory
-speed. The kernels compute exactly what the numpy code in ``partials`` does:
+nor fuse the reproducible mode's folds, and it pays one call per array; a
+compiled loop does each at memory speed, over one array or a whole list in one
+call. The kernels compute what the numpy code in ``partials`` computes:
 
-- ``sumsq_f32``: sum of float64(x)**2 over a float32 array (float64 accumulators,
-  reordered freely: the order of a float sum is not part of the default mode's
-  contract, its accuracy is: ~1e-13 at 1e7 elements);
-- ``digits``: the reproducible mode's digit counts of one chunk, the very
-  integers the numpy folds give (same extraction, rint = round half to even;
-  sums of whole digits below 2**53 per block, exact in any order).
+- ``sumsq``: sum of float64(x)**2 (float64 accumulators, reordered freely: the
+  order of a float sum is not part of the default mode's contract, its accuracy
+  is: ~1e-13 at 1e7 elements);
+- ``digits``: the reproducible mode's digit counts, the very integers of the
+  numpy folds (the same top bin per block of BLOCK values, the same
+  round-half-even extraction; block sums of whole digits stay below 2**53);
+- ``scale``: x *= s in place (float32 arrays by the float32 scale given).
 
-Set ``GCLIP_KERNELS=0`` to keep to numpy. Compiled code is cached on disk by
-numba, so only the first run on a machine pays the compile time.
+A list of arrays goes in one call through a :class:`Table` of (address, size,
+kind) that :func:`Kernels.table` reads from the arrays themselves on every call:
+nothing is kept between calls, so a list that changes, or an array resized or
+given another dtype, is simply read afresh.
+
+``GCLIP_KERNELS=0`` keeps to numpy. numba caches the compiled code on disk
+(``__pycache__``), so only a machine's first call compiles.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+import sys
+from typing import Any, NamedTuple
 
-__all__ = ["MIN_SIZE", "get"]
+import numpy as np
 
-MIN_SIZE = 1 << 15  # below this, numpy's path is as fast and numba's import is not worth it
+__all__ = ["BLOCK", "MANY", "MIN_SIZE", "Checked", "Kernels", "Table", "get"]
+
+MIN_SIZE = 1 << 15  # elements: below this numpy's path is as fast and numba's import is not worth it
+MANY = 16  # arrays: from this many on, one compiled call beats a numpy call per array
+BLOCK = 512  # the reproducible mode's block: one top bin, digit sums exact (shared with partials)
+# numpy's array flags (ndarraytypes.h)
+_ALIGNED, _WRITEABLE = 0x100, 0x400
+F32, F64 = 1, 2  # Table.kind (as in _jit); 0: not for the kernels (numpy's path takes it)
+
+
+class Table(NamedTuple):
+    """Where a list's arrays live, read on this call: ``kind[i]`` is F32 or F64
+    for a native, aligned, contiguous array the kernels take, 0 otherwise."""
+
+    ptr: np.ndarray  # int64 addresses of the data
+    size: np.ndarray  # int64 elements
+    kind: np.ndarray  # int64
+    compiled: int  # entries of a kind the kernels take
+
+    def overlaps(self) -> bool:
+        """Do any two compiled entries share memory (the same array twice included)?"""
+        return bool(_overlaps(self))
+
+
+def _overlaps(t: Table) -> bool:
+    on = t.kind != 0
+    start = t.ptr[on]
+    end = start + t.size[on] * np.where(t.kind[on] == F32, 4, 8)
+    full = end > start
+    start, end = start[full], end[full]
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], end[order]
+    return bool(np.any(start[1:] < np.maximum.accumulate(end)[:-1]))
+
+
+class Checked(list):
+    """A list of arrays with the table the argument checks read for it on this call.
+
+    It is gclip's own copy of the caller's list, so nothing changes it before the
+    call ends; the sum, the scale and the digits reuse the table instead of reading
+    the headers again."""
+
+    table: Table
+    writable: bool  # read with the writable flag required (good for an in-place scale)
+
+
+class Kernels:
+    """The compiled functions, and the array headers' layout they read."""
+
+    def __init__(self, fns: Any, layout: np.ndarray | None) -> None:
+        self.fns = fns
+        self._layout = layout
+        self.sumsq_f32 = fns.sumsq  # one 1-D float32 or float64 array
+
+    def table(self, arrays: Any, writable: bool = False) -> Table | None:
+        """The arrays' table, or None where headers cannot be read here."""
+        if self._layout is None:
+            return None
+        n = len(arrays)
+        try:
+            ids = np.fromiter(map(id, arrays), np.int64, n)
+        except OverflowError:  # pragma: no cover - an address above 2**63
+            return None
+        ptr, size, kind = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+        lay = self._layout.copy()
+        if writable:
+            lay[-1] |= _WRITEABLE
+        compiled = self.fns.inspect(ids, lay, ptr, size, kind)
+        return Table(ptr, size, kind, int(compiled))
+
+    def table_for(self, arrays: Any, writable: bool = False) -> Table | None:
+        """The table the checks read for this very list on this call, else :meth:`table`."""
+        if type(arrays) is Checked and (arrays.writable or not writable):
+            return arrays.table
+        return self.table(arrays, writable)
+
+    def sumsq(self, t: Table) -> float:
+        return float(self.fns.sumsq_table(t.ptr, t.size, t.kind))
+
+    def scale(self, t: Table, s64: float, s32: np.float32) -> None:
+        self.fns.scale_table(t.ptr, t.size, t.kind, s64, s32)
+
+    def digits(self, t: Table, p: int, counts: np.ndarray, width: int, bin_lo: int) -> float:
+        """Adds the table's digit counts to ``counts`` (nbins x 2: low, high words); returns
+        the inf/NaN seen (0.0 if none)."""
+        return float(self.fns.digits_table(t.ptr, t.size, t.kind, p, counts, width, bin_lo, BLOCK))
+
+    def digits_view(self, x: np.ndarray, p: int, counts: np.ndarray, width: int, bin_lo: int) -> float:
+        """:meth:`digits` of one 1-D float32 or float64 view (any stride)."""
+        return float(self.fns.digits(x, p, counts, width, bin_lo, BLOCK))
 
 
 @functools.lru_cache(maxsize=1)
-def get() -> Any:
+def get() -> Kernels | None:
     """The compiled kernels, or None (numba missing, or GCLIP_KERNELS=0)."""
     if os.environ.get("GCLIP_KERNELS", "1") == "0":
         return None
+    return _build()
+
+
+@functools.lru_cache(maxsize=1)  # once per process, whatever get's cache says
+def _build() -> Kernels | None:
     try:
-        return _compile()
+        from . import _jit as fns  # numba: imported here only, never at gclip's import
     except Exception:  # noqa: BLE001 - numba absent or unusable here: numpy does the work
         return None
+    return Kernels(fns, _header_layout(fns.inspect))
 
 
-def _compile() -> Any:
-    import math
-    from types import SimpleNamespace
-
-    import numba
-    import numpy as np
-
-    # reassociation only: every sum below is of float64 values (sumsq) or of
-    # whole numbers below 2**53 (digits), and the other operations are exact
-    jit = numba.njit(fastmath={"reassoc"}, nogil=True, cache=True)
-    prefetch = _prefetch_intrinsic()
-
-    @jit
-    def sumsq(c):
-        s = 0.0
-        for i in range(c.size):
-            v = np.float64(c[i])
-            s += v * v
-        return s
-
-    @jit
-    def sumsq_f32(x):
-        # blocks of 1 KiB, each asking for the block 16 KiB ahead: with two ranks
-        # streaming at once, the hardware prefetcher alone leaves the loop waiting
-        # on memory (measured: 1.3x slower than BLAS, 1.0x with the hints)
-        s = 0.0
-        n = x.size
-        for start in range(0, n, _BLOCK):
-            for line in range(start + _AHEAD, min(start + _BLOCK + _AHEAD, n), _LINE):
-                prefetch(x, line)
-            s += sumsq(x[start : start + _BLOCK])
-        return s
-
-    @jit
-    def digits(c, square, scale, width, block):
-        # |x| * scale (a power of two in range: exact), squared or not, then three folds:
-        # the digit is the remainder rounded to the bin's unit (1 after rescaling), and the
-        # remainder is rescaled by 2**width for the next bin
-        unit = math.ldexp(1.0, width)
-        d0 = 0
-        d1 = 0
-        d2 = 0
-        for start in range(0, c.size, block):
-            f0 = 0.0
-            f1 = 0.0
-            f2 = 0.0
-            for i in range(start, min(start + block, c.size)):
-                v = abs(np.float64(c[i])) * scale
-                if square:
-                    v = v * v
-                q = np.rint(v)
-                f0 += q
-                v = (v - q) * unit
-                q = np.rint(v)
-                f1 += q
-                v = (v - q) * unit
-                f2 += np.rint(v)
-            d0 += np.int64(f0)
-            d1 += np.int64(f1)
-            d2 += np.int64(f2)
-        return d0, d1, d2
-
-    return SimpleNamespace(sumsq_f32=sumsq_f32, digits=digits)
+# ---------------------------------------------------------------------------
+# array headers: numpy's PyArrayObject fields, after the object header
 
 
-_BLOCK = 256  # float32 elements summed between prefetch hints
-_AHEAD = 4096  # how far ahead the hints reach (16 KiB)
-_LINE = 16  # float32 elements per 64-byte cache line
+def _header_layout(inspect: Any) -> np.ndarray | None:
+    """The offsets of an array header's fields, checked on probe arrays whose
+    answers Python knows; None (lists go through numpy) if any answer differs."""
+    if sys.implementation.name != "cpython":
+        return None
+    head = object.__basicsize__  # PyObject_HEAD: ob_type is its last field
+    layout = np.array(  # in _jit's slot order; numpy's PyArrayObject_fields after the head
+        [
+            head - 8,  # ob_type
+            head,  # data
+            head + 8,  # nd
+            head + 16,  # dimensions (then strides, base)
+            head + 48,  # flags
+            head + 40,  # descr
+            id(np.ndarray),
+            id(np.dtype(np.float32)),
+            id(np.dtype(np.float64)),
+            _ALIGNED,  # flags every compiled entry needs (and one contiguity flag)
+        ],
+        dtype=np.int64,
+    )
+    base = np.zeros((6, 8), np.float32)
+    probes: list[Any] = [
+        base,
+        np.zeros((3, 4), np.float64, order="F"),
+        base[:, ::2],  # not contiguous
+        np.zeros(5, ">f8"),  # not native
+        np.zeros(0, np.float64),
+        np.zeros(3, np.float16),
+        np.zeros((), np.float64),
+        base.T,
+        np.frombuffer(bytes(16), np.float64),  # read-only
+        [1.0],
+    ]
+    try:
+        ids = np.fromiter(map(id, probes), np.int64, len(probes))
+        for writable in (False, True):
+            lay = layout.copy()
+            lay[-1] |= _WRITEABLE if writable else 0
+            n = len(probes)
+            ptr, size, kind = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+            inspect(ids, lay, ptr, size, kind)
+            for i, a in enumerate(probes):
+                if kind[i] != _expected_kind(a, writable):
+                    return None
+                if kind[i] and (ptr[i] != a.__array_interface__["data"][0] or size[i] != a.size):
+                    return None
+    except Exception:  # noqa: BLE001 - any surprise: lists go through numpy
+        return None
+    return layout
 
 
-def _prefetch_intrinsic():
-    """``prefetch(a, i)``: a hint that a[i] will be read soon (LLVM's
-    llvm.prefetch: read, keep in all cache levels). Never faults."""
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def prefetch(typingctx, arr, idx):
-        def codegen(context, builder, signature, args):
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-            rw, locality, data = (ir.Constant(i32, v) for v in (0, 3, 1))
-            builder.call(fn, [builder.bitcast(ptr, i8p), rw, locality, data])
-            return context.get_dummy_value()
-
-        return types.void(arr, idx), codegen
-
-    return prefetch
+def _expected_kind(a: Any, writable: bool) -> int:
+    if type(a) is not np.ndarray or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        return 0
+    if not a.flags.aligned or (writable and not a.flags.writeable):
+        return 0
+    if a.dtype is np.dtype(np.float32):
+        return F32
+    return F64 if a.dtype is np.dtype(np.float64) else 0

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _kernels
 from .errors import GclipError, GclipTypeError, GclipValueError
 
 __all__ = [
@@ -148,6 +149,10 @@ def grads(value: Any, inplace: bool) -> Grads:
         items, container = list(value), list  # a generator: read once
     else:
         return Grads([_array(value, "grads", inplace)], None, None, value)
+    if len(items) >= _kernels.MANY:
+        checked = _checked_at_once(items, inplace)
+        if checked is not None:
+            return Grads(checked, None, container, items)
     arrays = [
         g
         if type(g) is np.ndarray and g.dtype in _NATIVE and (g.flags.writeable or not inplace)
@@ -155,6 +160,19 @@ def grads(value: Any, inplace: bool) -> Grads:
         for i, g in enumerate(items)
     ]
     return _unaliased(items, arrays, container)._replace(source=items)
+
+
+def _checked_at_once(items: Sequence[Any], inplace: bool) -> list[np.ndarray] | None:
+    """The arrays, when every item is a float32/float64 ndarray, contiguous, aligned (and
+    writable for inplace), and no two share memory: read from the arrays' headers in one
+    compiled call. None leaves it to the item-by-item checks (and their error messages)."""
+    kernels = _kernels.get()
+    table = kernels.table(items, writable=inplace) if kernels is not None else None
+    if table is None or table.compiled != len(items) or table.overlaps():
+        return None
+    checked = _kernels.Checked(items)
+    checked.table, checked.writable = table, inplace
+    return checked
 
 
 def _array_like(value: Any) -> bool:

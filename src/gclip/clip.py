@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _validate, engine, layout, strategies
+from . import _kernels, _validate, engine, layout, partials, strategies
 from .errors import GclipTypeError
 
 __all__ = [
@@ -331,7 +331,10 @@ def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
 def _scaled(given: _validate.Grads, scale: float, inplace: bool) -> Any:
     if inplace:
         if scale != 1.0:  # exactly 1: nothing to do, not even a read
-            for a in given.arrays:
+            rest = given.arrays
+            if len(rest) >= _kernels.MANY:
+                rest = _multiply_many(rest, scale)
+            for a in rest:
                 _multiply(a, scale, a)
         return given.as_given()
     out = []
@@ -358,9 +361,25 @@ def _multiply(src: np.ndarray, scale: float, dst: np.ndarray) -> None:
     if src.dtype.itemsize == 8:
         np.multiply(src, scale, out=dst)
     elif src.dtype.itemsize == 4:
-        s32 = np.float32(scale)
-        if float(s32) > scale:
-            s32 = np.nextafter(s32, np.float32(0.0))
-        np.multiply(src, s32, out=dst)
+        np.multiply(src, _toward_zero32(scale), out=dst)
     else:
         np.multiply(src, scale, out=dst, dtype=np.float64, casting="same_kind")
+
+
+def _toward_zero32(scale: float) -> np.float32:
+    """The scale rounded to float32 toward zero (never up)."""
+    s32 = np.float32(scale)
+    if float(s32) > scale:
+        s32 = np.nextafter(s32, np.float32(0.0))
+    return s32
+
+
+def _multiply_many(arrays: list[np.ndarray], scale: float) -> Sequence[np.ndarray]:
+    """Scales in place, in one compiled call, the arrays the kernels take (as
+    :func:`_multiply` would); returns the others."""
+    kernels = _kernels.get()
+    table = kernels.table_for(arrays, writable=True) if kernels is not None else None
+    if table is None or not table.compiled:
+        return arrays
+    kernels.scale(table, scale, _toward_zero32(scale))
+    return partials.left_to_numpy(arrays, table)

@@ -32,6 +32,7 @@ __all__ = [
     "count",
     "half_power_sum",
     "iter_chunks",
+    "left_to_numpy",
     "max_abs",
     "power_sum",
     "root",
@@ -41,7 +42,7 @@ __all__ = [
 CHUNK = 1 << 16  # the largest working block: 512 KiB of float64, stays in L2
 MIN_CHUNK = 1 << 12  # below this, numpy's per-call cost dominates
 MEMORY_SHARE = 0.025  # working buffers stay below 2.5% of the shard (or MIN_CHUNK)
-BLOCK = 512  # the reproducible mode sums its digits in blocks of this many values (exact)
+BLOCK = _kernels.BLOCK  # the reproducible mode's blocks: one top bin each, digit sums exact
 POW2_LIMIT = 1000  # 2.0**k is a normal float64 for |k| < POW2_LIMIT (else ldexp does the scaling)
 
 
@@ -134,17 +135,20 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     """
     total = 0.0
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
-        rest = []
-        for a in arrays:  # the common case, one call per array, no working buffer
+        rest = arrays
+        if p == 2.0 and len(arrays) >= _kernels.MANY:  # many arrays: one compiled call for all
+            total, rest = _compiled_sumsq(arrays)
+        left = []
+        for a in rest:  # the common case, one call per array, no working buffer
             s = _one_call_sum(a, p)
             if s is None:
-                rest.append(a)
+                left.append(a)
             else:
                 total += s
-        if rest:
+        if left:
             chunk = chunk_size(arrays)
             scratch = _Scratch(chunk)
-            for a in rest:
+            for a in left:
                 total += _chunked_sum(a, p, scratch, chunk)
     if _SAFE_LO <= total <= _SAFE_HI:
         return total, False
@@ -153,6 +157,22 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     if not math.isfinite(total) and not all(np.isfinite(c).all() for a in arrays for c in iter_chunks(a)):
         return total, False  # the data holds inf or NaN
     return total, True
+
+
+def _compiled_sumsq(arrays: Sequence[np.ndarray]) -> tuple[float, Sequence[np.ndarray]]:
+    """(sum of squares of the arrays the kernels take, the arrays left to numpy)."""
+    kernels = _kernels.get()
+    table = kernels.table_for(arrays) if kernels is not None else None
+    if table is None or not table.compiled:
+        return 0.0, arrays
+    return kernels.sumsq(table), left_to_numpy(arrays, table)  # type: ignore[union-attr]
+
+
+def left_to_numpy(arrays: Sequence[np.ndarray], table: _kernels.Table) -> Sequence[np.ndarray]:
+    """The arrays a table leaves to numpy (float16, strided, byte-swapped, subclasses)."""
+    if table.compiled == len(arrays):
+        return ()
+    return [a for a, kind in zip(arrays, table.kind.tolist()) if not kind]
 
 
 _SAFE_HI = 2.0**960  # ranks may still add up without overflow
@@ -280,76 +300,87 @@ class BinnedPowerSum:
         self.size = 2 + self._DIGITS * self.nbins
 
     def local(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        counts = [0] * self.nbins
+        counts = np.zeros((self.nbins, 2), dtype=np.int64)  # per bin: low word, and multiples of 2**32
         special = 0.0
-        total = 0
-        size = sum(a.size for a in arrays)
-        # compiled: no working buffers, so the largest chunks; numpy: two bounded buffers
-        kernels = _kernels.get() if size >= _kernels.MIN_SIZE else None
-        chunk = CHUNK if kernels is not None else chunk_size(arrays, buffers=2)
+        size = count(arrays)
+        many = len(arrays) >= _kernels.MANY
+        kernels = _kernels.get() if size >= _kernels.MIN_SIZE or many else None
+        rest = arrays
+        if kernels is not None and many:  # one compiled call for every array it takes
+            table = kernels.table_for(arrays)
+            if table is not None and table.compiled:
+                special += kernels.digits(table, self.p, counts, self.W, self._BIN_LO)
+                rest = left_to_numpy(arrays, table)
+        # numpy: two bounded buffers; compiled: none, so whole arrays (cut at multiples of BLOCK)
+        chunk = chunk_size(arrays, buffers=2)
         buffers = _Scratch(chunk), _Scratch(chunk)
-        for a in arrays:
-            total += a.size
-            for c in iter_chunks(a, chunk):
-                special += self._deposit(c, buffers, counts, kernels)
+        for a in rest:
+            if kernels is not None and a.dtype in (_FLOAT32, _FLOAT64):
+                whole = -(-max(a.size, 1) // BLOCK) * BLOCK
+                for c in iter_chunks(a, whole):
+                    special += kernels.digits_view(c, self.p, counts, self.W, self._BIN_LO)
+            else:
+                for c in iter_chunks(a, chunk):
+                    special += self._deposit(c, buffers, counts)
         out = np.zeros(self.size)
-        out[0] = total
+        out[0] = size
         out[1] = special
         base = 1 << self._DIGIT_BITS
-        for i, n in enumerate(counts):
-            if n:
-                for d in range(self._DIGITS - 1):
-                    out[2 + i * self._DIGITS + d] = n % base
-                    n //= base
-                out[2 + i * self._DIGITS + self._DIGITS - 1] = n
+        for i in np.flatnonzero(counts.any(axis=1)).tolist():
+            n = int(counts[i, 0]) + (int(counts[i, 1]) << 32)
+            for d in range(self._DIGITS - 1):
+                out[2 + i * self._DIGITS + d] = n % base
+                n //= base
+            out[2 + i * self._DIGITS + self._DIGITS - 1] = n
         return out
 
-    def _deposit(
-        self, c: np.ndarray, buffers: tuple[_Scratch, _Scratch], counts: list[int], kernels: object
-    ) -> float:
-        n = c.size
-        m = float(max(np.max(c), -np.min(c)))  # max |x|: two reads, no write
-        if not math.isfinite(m):
-            return abs(m) if not math.isnan(m) else m
-        if m == 0.0:
-            return 0.0
-        p, W = self.p, self.W
-        # top bin t: the smallest with max|x|**p <= 2**(W*(t+1) - 1)
-        fm, em = math.frexp(m)  # m = fm * 2**em
-        fp = fm * fm if p == 2 else fm  # exact: max|x|**p = fp * 2**(p*em)
-        gm, ge = math.frexp(fp)
-        ceil_log2 = ge + p * em - (1 if gm == 0.5 else 0)
+    def _deposit(self, c: np.ndarray, buffers: tuple[_Scratch, _Scratch], counts: np.ndarray) -> float:
+        """Adds the digit counts of one 1-D chunk to ``counts``; returns the inf/NaN seen.
+
+        Each block of BLOCK values (from the chunk's start) has its own top bin t,
+        from its own max |x|: the smallest t with max|x|**p <= 2**(W*(t+1) - 1).
+        A block holding inf or NaN is special: its digits are not counted.
+        """
+        n, p, W, B = c.size, self.p, self.W, self.BLOCK
+        nb = -(-n // B)
+        v = buffers[0].get(nb * B)
+        q = buffers[1].get(nb * B)
+        np.abs(c, out=v[:n])  # in float64
+        v[n:] = 0.0
+        blocks = v.reshape(nb, B)
+        top = np.max(blocks, axis=1)  # NaN where the block holds one
+        special = 0.0
+        bad = ~(top < np.inf)
+        if bad.any():
+            special = float(np.sum(top[bad]))  # NaN if any, else inf
+            blocks[bad] = 0.0
+            top[bad] = 0.0
+        fm, em = np.frexp(top)  # exact: top = fm * 2**em
+        fp = fm * fm if p == 2 else fm
+        gm, ge = np.frexp(fp)
+        ceil_log2 = ge + p * em - (gm == 0.5)
         t = -((-(ceil_log2 - W + 1)) // W)
         k = (W * t) // p  # scale |x| by 2**-k (exact): bin t's unit becomes 1
-        compiled = kernels is not None and c.dtype in (_FLOAT32, _FLOAT64) and -POW2_LIMIT < k < POW2_LIMIT
-        if compiled:  # the same digits, in one compiled pass
-            got = kernels.digits(c, p == 2, 2.0**-k, W, self.BLOCK)  # type: ignore[attr-defined]
-            for i in range(self.K):
-                counts[t - i - self._BIN_LO] += int(got[i])
-            return 0.0
-        padded = -(-n // self.BLOCK) * self.BLOCK
-        v = buffers[0].get(padded)
-        q = buffers[1].get(padded)
-        if -POW2_LIMIT < k < POW2_LIMIT:  # in float64 (a float16 input must not scale in float16)
-            np.multiply(c, 2.0**-k, out=v[:n], dtype=np.float64)
+        if np.all(np.abs(k) < POW2_LIMIT):
+            np.multiply(blocks, np.ldexp(1.0, -k.astype(np.int32))[:, None], out=blocks)
         else:  # 2**-k itself is out of range: let ldexp do it
-            np.copyto(v[:n], c)
-            np.ldexp(v[:n], -k, out=v[:n])
-        v[n:] = 0.0
+            np.ldexp(blocks, -k.astype(np.int32)[:, None], out=blocks)
         if p == 2:
             np.multiply(v, v, out=v)
-        else:
-            np.abs(v, out=v)
+        low = counts[:, 0]
         for i in range(self.K):
             # the digit in bin t - i: v rounded to the bin's unit (1, after the rescaling below)
             np.add(v, _EXTRACTOR, out=q)
             np.subtract(q, _EXTRACTOR, out=q)
-            sums = np.add.reduce(q.reshape(-1, self.BLOCK), axis=1)  # exact: below 2**53
-            counts[t - i - self._BIN_LO] += int(sums.astype(np.int64).sum())
+            sums = np.add.reduce(q.reshape(nb, B), axis=1)  # exact: below 2**53
+            np.add.at(low, t - i - self._BIN_LO, sums.astype(np.int64))
             if i + 1 < self.K:  # the remainder, scaled so the next bin's unit is 1 (exact)
                 np.subtract(v, q, out=v)
                 np.multiply(v, 2.0**W, out=v)
-        return 0.0
+        carry = low >> 32  # a chunk adds below 2**59 per bin: keep the low words below 2**32
+        counts[:, 1] += carry
+        low -= carry << 32
+        return special
 
     def exact(self, combined: np.ndarray) -> Fraction | float:
         """The combined sum as an exact fraction (or inf/NaN)."""

@@ -47,10 +47,13 @@ class CountingComm:
         return {"total": total, "pickle_based": pickled, "calls": dict(sorted(self.calls.items()))}
 
 
-def count_collectives(comm: Any, clip: Callable[..., Any], case: Callable[[], tuple]) -> dict[str, Any]:
-    """Run one clip with a counting proxy as ``comm``; the counts, max over ranks."""
+def count_collectives(comm: Any, clip: Callable[..., Any], case: Callable[[Any], tuple]) -> dict[str, Any]:
+    """Run one clip with a counting proxy as ``comm``; the counts, max over ranks.
+
+    ``case(proxy)`` gives the clip's arguments: a communicator among them (a
+    replicated array's group) is the proxy too, so its calls count as well."""
     proxy = CountingComm(comm)
-    args, kwargs = case()
+    args, kwargs = case(proxy)
     clip(*args, comm=proxy, **kwargs)
     mine = proxy.summary()
     every = comm.allgather(mine)  # after the clip, outside the counted proxy
@@ -60,19 +63,25 @@ def count_collectives(comm: Any, clip: Callable[..., Any], case: Callable[[], tu
 
 def collective_counts(comm: Any) -> dict[str, Any]:
     """Collectives per clip on each path of ``COLLECTIVE_CASES``, with a counting proxy as ``comm``."""
+    import numpy as np
+
     import gclip
 
     x = shard(COUNT_SIZE, "float64", comm.Get_rank())
     norm = gclip.global_norm(x, comm=comm)
     arrays = {"float64": x, "float32": x.astype("float32")}  # copies made before any clip scales x
+    shared = np.ones(16)  # the same on every rank
     out = {}
     for case in COLLECTIVE_CASES:
         array = arrays[case.dtype]
         limit = norm * case.limit_factor
         kwargs = {"inplace": True, **({"reproducible": True} if case.reproducible else {})}
 
-        def call(a: Any = array, m: float = limit, kw: dict = kwargs) -> tuple:
-            return (a, m), kw
+        def call(proxy: Any, a: Any = array, m: float = limit, kw: dict = kwargs, c: Any = case) -> tuple:
+            if c.replicated is None:
+                return (a, m), kw
+            group = True if c.replicated == "flag" else proxy
+            return ([a, shared], m), {**kw, "replicated": [False, group]}
 
         out[case.name] = count_collectives(comm, gclip.clip_by_global_norm, call)
     return out

@@ -12,9 +12,11 @@ from .._lab import plots
 from .._lab.cli import ArgParser, UsageError, check_writable
 from .workloads import (
     DEFAULT_DTYPES,
+    DEFAULT_LISTS,
     DEFAULT_RANKS,
     DEFAULT_SIZES,
     DTYPES,
+    LISTS,
     MAX_ELEMENTS,
     MAX_RANKS,
     QUICK_REPEAT,
@@ -27,6 +29,7 @@ __all__ = [
     "PROG",
     "THREAD_VARS",
     "parse_dtypes",
+    "parse_lists",
     "parse_options",
     "parse_ranks",
     "parse_sizes",
@@ -66,6 +69,16 @@ def parse_dtypes(text: str) -> list[str]:
     return names
 
 
+def parse_lists(text: str) -> list[str]:
+    """'gpt2-small,tiny' -> names of list workloads; 'none' or '' -> []."""
+    names = [t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"]
+    known = [w.name for w in LISTS]
+    for name in names:
+        if name not in known:
+            raise UsageError(f"--lists: {name!r} is not one of {', '.join(known)} (or none)")
+    return names
+
+
 def parse_ranks(text: str) -> list[int]:
     try:
         ranks = [int(t) for t in text.split(",")]
@@ -98,6 +111,11 @@ def _parser() -> ArgParser:
     p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write results as JSON (- : stdout)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed comparison")
+    p.add_argument(
+        "--lists",
+        default=None,
+        help=f"list workloads, comma-separated, or none (default {DEFAULT_LISTS}; --quick: tiny)",
+    )
     p.add_argument("--cold", action="store_true", help="evict L1/L2 before each timed call (default: warm)")
     p.add_argument(
         "--quick", action="store_true", help=f"sizes {QUICK_SIZES}, {QUICK_REPEAT} reps: a smoke run"
@@ -118,6 +136,9 @@ def parse_options(argv: Sequence[str] | None) -> Any:
     args.sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     args.dtypes = parse_dtypes(args.dtypes)
     args.ranks = parse_ranks(args.ranks)
+    args.lists = parse_lists(
+        args.lists if args.lists is not None else ("tiny" if args.quick else DEFAULT_LISTS)
+    )
     if args.repeat is None and args.quick:
         args.repeat = QUICK_REPEAT
     if args.plot:

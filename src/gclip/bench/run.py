@@ -10,13 +10,14 @@ from typing import Any
 
 from .._lab.cli import rank_size
 from .collectives import collective_counts
+from .lists import bench_list
 from .memory import check_memory, measure_memory
 from .ops import bench_case, torch_setup, torch_teardown
 from .options import PROG, THREAD_VARS, threads
 from .table import fmt_n, fmt_t
 from .targets import targets
 from .timing import time_allreduce
-from .workloads import BUSY_LOAD, DELTA, auto_repeat, shard
+from .workloads import BUSY_LOAD, DELTA, LISTS, auto_repeat, shard
 
 __all__ = ["REPORTED_VARS", "SCHEMA", "case_rows", "effective_bytes", "run_bench"]
 
@@ -85,6 +86,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
     collectives = collective_counts(comm)
     rows: list[dict] = []
     memory: list[dict] = []
+    lists: list[dict] = []
     try:
         for dtype in args.dtypes:
             for n in args.sizes:
@@ -98,6 +100,11 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
                         _progress(_case_line(rows, n, dtype, active, repeat, time.perf_counter() - t0))
                 memory += measure_memory(comm, x)
                 del x
+        for workload in LISTS:
+            if workload.name in args.lists:
+                t0 = time.perf_counter()
+                lists += bench_list(comm, workload, torch_ctx, args.repeat)
+                _progress(f"list {workload.name}: {time.perf_counter() - t0:.1f} s")
     finally:
         torch_teardown(torch_ctx)
     if rank != 0:
@@ -116,7 +123,8 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "collectives": collectives,
         "rows": rows,
         "memory": memory,
-        "targets": targets(rows, memory, collectives, ar),
+        "lists": lists,
+        "targets": targets(rows, memory, collectives, ar, lists),
         "seconds": time.perf_counter() - start,
         "load_average": {"start": load_start, "end": _load()},
     }

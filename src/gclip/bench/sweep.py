@@ -22,7 +22,8 @@ def sweep_command(args: Any, out: str) -> list[str]:
     """What each rank of one sweep run runs (no torch: the sweep is about ranks)."""
     sizes = ",".join(str(n) for n in args.sizes)
     cmd = [sys.executable, "-m", PROG]
-    cmd += ["--sizes", sizes, "--dtypes", ",".join(args.dtypes), "--no-torch", "--json", out]
+    cmd += ["--sizes", sizes, "--dtypes", ",".join(args.dtypes), "--no-torch", "--lists", "none"]
+    cmd += ["--json", out]
     if args.repeat:
         cmd += ["--repeat", str(args.repeat)]
     cmd += ["--threads", str(args.threads or threads())]
@@ -85,7 +86,8 @@ def format_sweep(result: dict[str, Any]) -> str:
     ranks = sorted({r["ranks"] for r in rows})
     head = ["dtype", "n/rank", "clip"]
     for k in ranks:
-        head += [f"gclip R={k}", f"floor R={k}", "x floor"]
+        mark = "*" if k > result["cpus"] else ""  # oversubscribed
+        head += [f"gclip R={k}{mark}", f"floor R={k}{mark}", "x floor"]
     lines = [head]
     keys = sorted(
         {(r["dtype"], r["n"], r["active"]) for r in rows}, key=lambda k: (k[0] != "float64", k[1], k[2])
@@ -105,7 +107,7 @@ def format_sweep(result: dict[str, Any]) -> str:
     text = [columns(lines), "", f"bare header-sized Allreduce: {note}"]
     if over:
         text.append(
-            f"R={','.join(map(str, over))} oversubscribes the {result['cpus']} cores: ranks take turns on"
+            f"*: R={','.join(map(str, over))} oversubscribes the {result['cpus']} cores: ranks take turns on"
             " a core, so a collective waits for a descheduled rank: the scheduler's time, not gclip's."
         )
     return "\n".join(text)

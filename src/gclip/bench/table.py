@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["columns", "find_row", "fmt_bytes", "fmt_n", "fmt_t", "format_table"]
+__all__ = ["columns", "find_row", "fmt_bytes", "fmt_n", "fmt_t", "format_lists", "format_table"]
 
 
 def find_row(rows: list[dict], n: int, dtype: str, active: bool, impl: str) -> dict | None:
@@ -100,7 +100,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"  {m['dtype']:8s} {fmt_n(m['n']):>5s} {m['mode']:12s} {fmt_bytes(m['peak_extra_bytes']):>9s}"
             f" / {fmt_bytes(m['shard_bytes']):>9s} = {m['ratio'] * 100:.3g}%   rss +{rss}"
         )
-    misses = sum(r.get("misses", 0) for r in rows)
+    if result.get("lists"):
+        out.append("lists of arrays, per rank (time per clip, slowest rank, median):")
+        out.append(format_lists(result["lists"]))
+    misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:
         out.append(f"warning: {misses} active rep(s) did not clip (see 'misses' in the JSON)")
     out.append("targets:")
@@ -109,3 +112,21 @@ def format_table(result: dict[str, Any]) -> str:
         note = f"  ({t['note']})" if t["note"] else ""
         out.append(f"  {mark} {t['name']}: {t['value']:.3g} (limit {t['limit']:g}){note}")
     return "\n".join(out)
+
+
+def format_lists(rows: list[dict]) -> str:
+    """The list workloads' table (empty when none ran)."""
+    if not rows:
+        return ""
+    head = ["workload", "tensors", "clip", "gclip", "per tensor", "repro", "x dflt", "torch-foreach"]
+    head += ["gclip/torch", "repro/torch"]
+    lines = [head]
+    keys = sorted({(r["workload"], r["active"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for name, active in keys:
+        got = {r["impl"]: r for r in rows if (r["workload"], r["active"]) == (name, active)}
+        g, p, t = got["gclip"], got["gclip-repro"], got.get("torch-foreach")
+        line = [name, str(g["tensors"]), "active" if active else "off", fmt_t(g["median_s"])]
+        line += [fmt_t(g["per_tensor_s"]), fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
+        line += [fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}", f"{p['vs_torch']:.2f}"] if t else ["-"] * 3
+        lines.append(line)
+    return columns(lines)

@@ -15,11 +15,14 @@ __all__ = [
     "COLLECTIVE_CASES",
     "COUNT_SIZE",
     "DEFAULT_DTYPES",
+    "DEFAULT_LISTS",
     "DEFAULT_RANKS",
     "DEFAULT_SIZES",
     "DELTA",
     "DTYPES",
+    "GPT2_SMALL",
     "INACTIVE_FACTOR",
+    "LISTS",
     "MAX_ELEMENTS",
     "MAX_RANKS",
     "MEMORY_HEADROOM",
@@ -31,7 +34,9 @@ __all__ = [
     "SHARD_SEED",
     "SWEEP_TIMEOUT",
     "CountCase",
+    "ListWorkload",
     "auto_repeat",
+    "list_arrays",
     "shard",
 ]
 
@@ -59,18 +64,21 @@ MEMORY_HEADROOM = 0.8  # refuse sizes that need more than this share of the avai
 BUSY_LOAD = 0.5  # a 1-minute load average above this at the start: warn that timings are noisy
 
 # the ranks sweep
-DEFAULT_RANKS = "1,2,4"
+DEFAULT_RANKS = "1,2,4,8"
 MAX_RANKS = 64
 SWEEP_TIMEOUT = 1800  # seconds per mpirun of the sweep
 
 
 class CountCase(NamedTuple):
-    """One clip whose collectives are counted: its array's dtype and limit (x the norm)."""
+    """One clip whose collectives are counted: its array's dtype and limit (x the norm);
+    ``replicated``: a second, small array held by every rank of the communicator (the
+    count-once rule of the parallel layouts), given as a flag or as that communicator."""
 
     name: str
     dtype: str
     limit_factor: float
     reproducible: bool = False
+    replicated: str | None = None  # None, "flag" or "communicator"
 
 
 COUNT_SIZE = 1000  # elements per rank of the counted clips
@@ -79,7 +87,50 @@ COLLECTIVE_CASES = (
     CountCase("default_active", "float64", 0.5),
     CountCase("default_float32", "float32", 0.5),
     CountCase("reproducible", "float64", 0.5, reproducible=True),
+    CountCase("layout_flag", "float64", 0.5, replicated="flag"),
+    CountCase("layout_communicator", "float64", 0.5, replicated="communicator"),
 )
+
+
+# lists of many arrays: a model's gradient, one array per parameter, every rank holding
+# its own list (as data-parallel ranks hold gradients of their own batches)
+
+
+class ListWorkload(NamedTuple):
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+    repeat: int  # timed reps
+
+
+def _gpt2_small() -> tuple[tuple[int, ...], ...]:
+    """GPT-2 small's 148 parameters (124,439,808 values): token and position embeddings,
+    12 blocks of (layer norm, attention, layer norm, MLP), the final layer norm."""
+    vocab, positions, d, blocks = 50257, 1024, 768, 12
+    block = [
+        (d,),
+        (d,),
+        (d, 3 * d),
+        (3 * d,),
+        (d, d),
+        (d,),
+        (d,),
+        (d,),
+        (d, 4 * d),
+        (4 * d,),
+        (4 * d, d),
+        (d,),
+    ]
+    return ((vocab, d), (positions, d), *(block * blocks), (d,), (d,))
+
+
+GPT2_SMALL = _gpt2_small()
+LISTS = (
+    ListWorkload("gpt2-small", GPT2_SMALL, "float32", 7),
+    ListWorkload("tiny", ((64,),) * 2000, "float32", 200),
+)
+DEFAULT_LISTS = "gpt2-small,tiny"
+LIST_SCALE = 1e-3  # gradient-like magnitudes
 
 
 def auto_repeat(n: int) -> int:
@@ -93,3 +144,13 @@ def shard(n: int, dtype: str, rank: int) -> Any:
 
     rng = np.random.default_rng(SHARD_SEED + rank)
     return rng.standard_normal(n, dtype=np.dtype(dtype).type)
+
+
+def list_arrays(workload: ListWorkload, rank: int) -> list[Any]:
+    """Rank ``rank``'s list: one separately allocated array per shape, standard normal
+    values times LIST_SCALE, seeded by the rank."""
+    import numpy as np
+
+    rng = np.random.default_rng(SHARD_SEED + rank)
+    kind = np.dtype(workload.dtype).type
+    return [rng.standard_normal(shape, dtype=kind) * kind(LIST_SCALE) for shape in workload.shapes]

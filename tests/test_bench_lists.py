@@ -1,0 +1,124 @@
+"""The bench's list workloads (a model's gradient as many arrays) and the targets that read
+them: shapes as data, the rows' arithmetic, the torch op against torch's own clip, the
+verdicts. No timing is asserted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gclip._lab.cli import UsageError
+from gclip.bench import lists, options, sweep, table, targets, workloads
+from gclip.bench.ops import Norm
+
+
+def test_gpt2_small_has_its_148_parameters():
+    shapes = workloads.GPT2_SMALL
+    assert len(shapes) == 148
+    assert sum(math.prod(s) for s in shapes) == 124_439_808
+    assert shapes[0] == (50257, 768) and shapes[1] == (1024, 768)
+    tiny = {w.name: w for w in workloads.LISTS}["tiny"]
+    assert tiny.shapes == ((64,),) * 2000
+
+
+def test_list_arrays_are_separate_and_seeded_by_rank():
+    w = workloads.ListWorkload("t", ((3,), (2, 2)), "float32", 1)
+    a, b = workloads.list_arrays(w, 0), workloads.list_arrays(w, 1)
+    assert [x.shape for x in a] == [(3,), (2, 2)] and all(x.dtype == np.float32 for x in a)
+    assert not np.shares_memory(a[0], a[1])
+    assert not np.array_equal(a[0], b[0])
+
+
+def test_parse_lists():
+    assert options.parse_lists("gpt2-small,tiny") == ["gpt2-small", "tiny"]
+    assert options.parse_lists("none") == [] and options.parse_lists("") == []
+    with pytest.raises(UsageError, match="not one of"):
+        options.parse_lists("gpt3")
+
+
+def _times(**medians):
+    return {k: {"median_s": v, "min_s": v, "reps": 5} for k, v in medians.items()}
+
+
+def test_list_rows_arithmetic():
+    w = workloads.ListWorkload("tiny", ((64,),) * 2000, "float32", 5)
+    rows = {r["impl"]: r for r in lists.list_rows(w, True, _times(**{
+        "gclip": 2e-3, "gclip-repro": 3e-3, "torch-foreach": 8e-3}), misses=1)}  # fmt: skip
+    assert rows["gclip"]["per_tensor_s"] == pytest.approx(1e-6)
+    assert rows["gclip"]["vs_torch"] == pytest.approx(0.25)
+    assert rows["gclip-repro"]["vs_torch"] == pytest.approx(0.375)
+    assert rows["gclip-repro"]["vs_default"] == pytest.approx(1.5)
+    assert rows["gclip"]["misses"] == 1 and "misses" not in rows["torch-foreach"]
+    assert rows["gclip"]["elements"] == 128_000
+    text = table.format_lists(list(rows.values()))
+    assert "tiny" in text and "0.25" in text
+
+
+def test_list_targets_read_the_rows():
+    w = workloads.ListWorkload("gpt2-small", workloads.GPT2_SMALL, "float32", 5)
+    rows = lists.list_rows(w, False, _times(**{"gclip": 5e-2, "gclip-repro": 9e-2, "torch-foreach": 1e-1}), 0)
+    rows += lists.list_rows(w, True, _times(**{"gclip": 7e-2, "gclip-repro": 9e-2, "torch-foreach": 1e-1}), 0)
+    m = targets.Measured([], [], {"default_active": {"total": 1, "pickle_based": 0}}, 1e-6, rows)
+    got = {t["name"]: t for t in targets.evaluate(m)}
+    assert got["gpt2-small inactive: gclip / torch foreach"]["ok"] is True  # 0.5 <= 0.6
+    assert got["gpt2-small active: gclip / torch foreach"]["ok"] is False  # 0.7 > 0.6
+    assert "reproducible: 0.90x torch" in got["gpt2-small inactive: gclip / torch foreach"]["note"]
+    assert "tiny inactive: gclip / torch foreach" not in got  # not measured: left out
+
+
+def test_reproducible_and_layout_targets():
+    rows = [
+        {"n": 10**7, "dtype": "float32", "active": False, "impl": "gclip-repro", "vs_default": 2.4},
+        {"n": 10**7, "dtype": "float64", "active": False, "impl": "gclip-repro", "vs_default": 1.5},
+    ]
+    counts = {
+        "default_active": {"total": 1, "pickle_based": 0},
+        "layout_flag": {"total": 1, "pickle_based": 0},
+        "layout_communicator": {"total": 2, "pickle_based": 0},
+    }
+    got = {t["name"]: t for t in targets.targets(rows, [], counts, 1e-6)}
+    assert got["float32 1e7 inactive: reproducible / default"]["ok"] is False
+    assert got["float64 1e7 inactive: reproducible / default"]["ok"] is True
+    assert got["collectives per clip with a replicated array"]["value"] == 2
+    assert got["collectives per clip with a replicated array"]["ok"] is False
+
+
+class _OneRankDist:
+    @staticmethod
+    def all_reduce(t):
+        return t
+
+
+def test_torch_foreach_op_is_torchs_clip():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((5, 3), (7,), (64,))]
+    copies = [torch.from_numpy(a.copy()) for a in arrays]
+    ctx = type("Ctx", (), {"torch": torch, "dist": _OneRankDist()})()
+    norm = Norm(float(np.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in arrays))))
+    op = lists.torch_foreach(ctx, arrays, norm, lambda: 0.5, active=True)
+    op()
+    params = []
+    for c in copies:
+        p = torch.nn.Parameter(torch.zeros_like(c))
+        p.grad = c
+        params.append(p)
+    torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
+    for a, c in zip(arrays, copies):
+        assert np.array_equal(a, c.numpy())
+    assert norm.value == pytest.approx(0.5, rel=1e-5)
+
+
+def test_sweep_marks_oversubscribed_rank_counts():
+    rows = [
+        {"ranks": r, "n": 1000, "dtype": "float64", "active": True, "gclip_s": 1e-5, "floor_s": 1e-6,
+         "vs_floor": 10.0, "allreduce_s": 1e-6}
+        for r in (1, 2, 4, 8)
+    ]  # fmt: skip
+    text = sweep.format_sweep({"sweep": rows, "cpus": 2})
+    head = text.splitlines()[0]
+    assert "gclip R=2 " in head and "gclip R=4*" in head and "gclip R=8*" in head
+    assert "*: R=4,8 oversubscribes the 2 cores" in text
+    assert workloads.DEFAULT_RANKS == "1,2,4,8"
