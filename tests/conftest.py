@@ -17,7 +17,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -148,36 +147,28 @@ def mpirun(
 ) -> subprocess.CompletedProcess:
     """Run ``mpirun -n N <args>`` under a timeout, with Hydra's own watchdog too.
 
-    mpirun starts in a process group of its own; if it is still running
-    ``timeout + 15`` s later, the whole group (launcher, proxies, ranks) is
+    The package's own launcher (``gclip._lab.mpirun.run``): the venv's mpirun,
+    started in a process group of its own; if it is still running
+    ``timeout + 15`` s later, the whole job (launcher, proxies, ranks) is
     ended and the result has exit status 124, with a line saying so in stderr.
     """
-    exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
-    if exe is None:
-        pytest.skip("no mpirun on PATH")
-    full_env = {**os.environ, "MPIEXEC_TIMEOUT": str(timeout), **(env or {})}
-    cmd = [exe, "-n", str(n), *args]
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        start_new_session=True,
-    )
+    from gclip._lab import mpirun as launcher
+
     try:
-        out, err = proc.communicate(input, timeout=timeout + 15)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        out, err = end_group(proc)
-        err += f"\nconftest.mpirun: still running after {timeout + 15} s; ended its whole process group\n"
-        code = 124
-    result = subprocess.CompletedProcess(cmd, code, out, err)
-    if "APPLICATION TIMED OUT" in out + err:
-        result.returncode = result.returncode or 124  # Hydra's watchdog fired but may have exited 0
+        result = launcher.run(n, *args, timeout=timeout, env=env, input=input, grace=15)
+    except launcher.MpirunNotFound:
+        pytest.skip("no mpirun next to this Python nor on PATH")
+    if (
+        result.returncode == launcher.TIMED_OUT
+        and launcher.HYDRA_TIMEOUT_LINE not in result.stdout + result.stderr
+    ):
+        result.stderr += (
+            f"\nconftest.mpirun: still running after {timeout + 15} s; ended its whole process group\n"
+        )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{out}\n{err}")
+        raise AssertionError(
+            f"{' '.join(result.args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 

@@ -12,6 +12,7 @@ import pytest
 from gclip._lab.cli import UsageError
 from gclip.bench import lists, options, sweep, table, targets, workloads
 from gclip.bench.ops import Norm
+from gclip.strategies import TORCH_EPS
 
 
 def test_gpt2_small_has_its_148_parameters():
@@ -122,3 +123,54 @@ def test_sweep_marks_oversubscribed_rank_counts():
     assert "gclip R=2 " in head and "gclip R=4*" in head and "gclip R=8*" in head
     assert "*: R=4,8 oversubscribes the 2 cores" in text
     assert workloads.DEFAULT_RANKS == "1,2,4,8"
+
+
+def test_torch_list_rows_and_table_by_hand():
+    """gclip.torch against torch's clip plus one all-reduce: the ratio, the table."""
+    from gclip.bench import torch_lists
+
+    wl = workloads.TORCH_LISTS[1]
+    assert wl.dtype == "bfloat16" and wl.shapes == workloads.GPT2_SMALL
+    times = {
+        "gclip.torch": {"median_s": 0.05, "min_s": 0.04, "reps": 5},
+        "torch+allreduce": {"median_s": 0.1, "min_s": 0.09, "reps": 5},
+    }
+    rows = torch_lists._rows(wl, True, times)
+    mine = next(r for r in rows if r["impl"] == "gclip.torch")
+    assert mine["vs_torch"] == 0.5 and mine["tensors"] == 148 and mine["elements"] == 124_439_808
+    assert "vs_torch" not in next(r for r in rows if r["impl"] == "torch+allreduce")
+    text = table.format_torch_lists(rows)
+    assert "gpt2-small-torch-bf16" in text and "bfloat16" in text and "0.50" in text
+    assert options.parse_lists("gpt2-small-torch,gpt2-small-torch-bf16") == [
+        "gpt2-small-torch",
+        "gpt2-small-torch-bf16",
+    ]
+
+
+def test_torch_list_ops_clip_like_torch():
+    """Both ops end at the same clipped norm on one rank (a group of one over gloo)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from gclip.bench import torch_lists
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    ctx.torch, ctx.dist = torch, dist
+    wl = workloads.ListWorkload("small", ((5, 3), (7,)), "float32", 1)
+    for name in ("gclip.torch", "torch+allreduce"):
+        params = torch_lists._params(torch, wl, 0)
+        before = math.sqrt(math.fsum(float(v) ** 2 for p in params for v in p.grad.double().flatten()))
+        norm = Norm(before)
+        ops = dict(torch_lists._ops(ctx, params, norm, active=True))
+        ops[name]()
+        after = math.sqrt(math.fsum(float(v) ** 2 for p in params for v in p.grad.double().flatten()))
+        limit = before * (1 - workloads.DELTA)
+        # gclip clips to the limit; torch to limit * norm / (norm + 1e-6), its epsilon
+        want = limit if name == "gclip.torch" else limit * before / (before + TORCH_EPS)
+        assert after < before and math.isclose(after, want, rel_tol=1e-6), name

@@ -419,3 +419,23 @@ def test_cuda_path():
     import torch_cuda_check
 
     assert torch_cuda_check.main() == 0
+
+
+def test_bfloat16_on_the_cpu_is_squared_from_its_bits_as_exactly_as_on_any_device(monkeypatch):
+    """The compiled pass over bfloat16's bits and the torch path both give the fsum of exact squares."""
+    from gclip import _kernels, _torch_partials
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(70_000, generator=gen) * 3).to(torch.bfloat16)
+    x[7] = -7.5
+    exact = math.fsum(float(v) ** 2 for v in x.to(torch.float64).tolist())
+    compiled = _torch_partials.power_sum([x], 2.0)[0]
+    monkeypatch.setenv("GCLIP_KERNELS", "0")
+    _kernels.get.cache_clear()
+    try:
+        plain = _torch_partials.power_sum([x], 2.0)[0]
+    finally:
+        monkeypatch.delenv("GCLIP_KERNELS")
+        _kernels.get.cache_clear()
+    assert abs(compiled - exact) / exact < 1e-13
+    assert abs(plain - exact) / exact < 1e-13

@@ -84,6 +84,7 @@ class Kernels:
         self.fns = fns
         self._layout = layout
         self.sumsq_f32 = fns.sumsq  # one 1-D float32 or float64 array
+        self.sumsq_bf16 = fns.sumsq_bf16  # one 1-D uint16 array: bfloat16 bits (gclip.torch)
 
     def table(self, arrays: Any, writable: bool = False) -> Table | None:
         """The arrays' table, or None where headers cannot be read here."""

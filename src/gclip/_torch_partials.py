@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _kernels, partials
 from .partials import BinnedPowerSum
 
 __all__ = [
@@ -42,6 +43,7 @@ CPU_CHUNK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float
 DEVICE_CHUNK = 1 << 20  # on an accelerator: 8 MiB of float64, few enough kernel launches
 _SAFE_HI = 2.0**960  # as partials.power_sum: ranks may still add up without overflow
 _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
+_NUMPY_VIEWABLE = (torch.float16, torch.float32, torch.float64)  # t.numpy() is a view, no copy
 
 
 def chunk_size(device: torch.device) -> int:
@@ -124,13 +126,28 @@ def count(arrays: Sequence[torch.Tensor]) -> int:
 
 def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
     """sum |x|**p accumulated in float64, and whether the engine must rescue it
-    (overflow, or underflow of tiny values), as ``partials.power_sum``."""
+    (overflow, or underflow of tiny values), as ``partials.power_sum``.
+
+    CPU tensors that numpy can view without a copy (float16, float32, float64)
+    are summed by ``partials`` itself: its compiled one-pass kernels square
+    float32 in float64 at memory speed, where converting chunks here would
+    pass over the data twice. The rest (bfloat16, other devices) stays here.
+    """
+    host = [t for t in arrays if t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE]
+    rest = [t for t in arrays if not (t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE)]
+    total = partials.power_sum([t.numpy() for t in host], p)[0] if host else 0.0
+    kernels = _kernels.get() if p == 2.0 and rest else None
+    if kernels is not None:  # contiguous bfloat16 on the CPU: its bits, squared in one compiled pass
+        bits = [t for t in rest if t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()]
+        for t in bits:
+            total += float(kernels.sumsq_bf16(t.view(torch.int16).numpy().view(np.uint16).reshape(-1)))
+        rest = [t for t in rest if not any(t is b for b in bits)]
     if p == 2.0:
-        total = _sum_on_devices(arrays, lambda c: torch.dot(c, c))
+        total += _sum_on_devices(rest, lambda c: torch.dot(c, c))
     elif p == 1.0:
-        total = _sum_on_devices(arrays, lambda c: c.abs().sum())
+        total += _sum_on_devices(rest, lambda c: c.abs().sum())
     else:
-        total = _sum_on_devices(arrays, lambda c: c.abs().pow_(p).sum())
+        total += _sum_on_devices(rest, lambda c: c.abs().pow_(p).sum())
     if _SAFE_LO <= total <= _SAFE_HI:
         return total, False
     if total == 0.0 and not _any(arrays, lambda c: c.any()):

@@ -28,6 +28,7 @@ __all__ = [
     "MpirunNotFound",
     "child_env",
     "find_mpirun",
+    "kill_job",
     "run",
 ]
 
@@ -98,7 +99,7 @@ def run(
     try:
         out, err = proc.communicate(input, timeout=timeout + grace)
     except subprocess.TimeoutExpired:
-        _kill_job(proc.pid)
+        kill_job(proc.pid)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, TIMED_OUT, out, err)
     code = proc.returncode
@@ -107,7 +108,7 @@ def run(
     return subprocess.CompletedProcess(cmd, code, out, err)
 
 
-def _kill_job(leader: int) -> None:
+def kill_job(leader: int) -> None:
     """SIGKILL mpirun's process group, and every process it started.
 
     The group alone is not enough: Hydra's proxy puts itself and each rank in

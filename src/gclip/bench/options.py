@@ -22,6 +22,7 @@ from .workloads import (
     QUICK_REPEAT,
     QUICK_SIZES,
     SWEEP_TIMEOUT,
+    TORCH_LISTS,
 )
 
 __all__ = [
@@ -72,7 +73,7 @@ def parse_dtypes(text: str) -> list[str]:
 def parse_lists(text: str) -> list[str]:
     """'gpt2-small,tiny' -> names of list workloads; 'none' or '' -> []."""
     names = [t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"]
-    known = [w.name for w in LISTS]
+    known = [w.name for w in (*LISTS, *TORCH_LISTS)]
     for name in names:
         if name not in known:
             raise UsageError(f"--lists: {name!r} is not one of {', '.join(known)} (or none)")

@@ -17,6 +17,7 @@ from .options import PROG, THREAD_VARS, threads
 from .table import fmt_n, fmt_t
 from .targets import targets
 from .timing import time_allreduce
+from .torch_lists import bench_torch_list
 from .workloads import BUSY_LOAD, DELTA, LISTS, auto_repeat, shard
 
 __all__ = ["REPORTED_VARS", "SCHEMA", "case_rows", "effective_bytes", "run_bench"]
@@ -87,6 +88,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
     rows: list[dict] = []
     memory: list[dict] = []
     lists: list[dict] = []
+    torch_lists: list[dict] = []
     try:
         for dtype in args.dtypes:
             for n in args.sizes:
@@ -105,6 +107,10 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
                 t0 = time.perf_counter()
                 lists += bench_list(comm, workload, torch_ctx, args.repeat)
                 _progress(f"list {workload.name}: {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        torch_lists = bench_torch_list(comm, torch_ctx, args.lists, args.repeat)
+        if torch_lists:
+            _progress(f"gclip.torch lists: {time.perf_counter() - t0:.1f} s")
     finally:
         torch_teardown(torch_ctx)
     if rank != 0:
@@ -124,6 +130,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "rows": rows,
         "memory": memory,
         "lists": lists,
+        "torch_lists": torch_lists,
         "targets": targets(rows, memory, collectives, ar, lists),
         "seconds": time.perf_counter() - start,
         "load_average": {"start": load_start, "end": _load()},

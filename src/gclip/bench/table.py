@@ -5,7 +5,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["columns", "find_row", "fmt_bytes", "fmt_n", "fmt_t", "format_lists", "format_table"]
+__all__ = [
+    "columns",
+    "find_row",
+    "fmt_bytes",
+    "fmt_n",
+    "fmt_t",
+    "format_lists",
+    "format_table",
+    "format_torch_lists",
+]
 
 
 def find_row(rows: list[dict], n: int, dtype: str, active: bool, impl: str) -> dict | None:
@@ -103,6 +112,9 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("lists"):
         out.append("lists of arrays, per rank (time per clip, slowest rank, median):")
         out.append(format_lists(result["lists"]))
+    if result.get("torch_lists"):
+        out.append("gclip.torch on torch parameters, per rank (gloo group; slowest rank, median):")
+        out.append(format_torch_lists(result["torch_lists"]))
     misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:
         out.append(f"warning: {misses} active rep(s) did not clip (see 'misses' in the JSON)")
@@ -128,5 +140,20 @@ def format_lists(rows: list[dict]) -> str:
         line = [name, str(g["tensors"]), "active" if active else "off", fmt_t(g["median_s"])]
         line += [fmt_t(g["per_tensor_s"]), fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
         line += [fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}", f"{p['vs_torch']:.2f}"] if t else ["-"] * 3
+        lines.append(line)
+    return columns(lines)
+
+
+def format_torch_lists(rows: list[dict]) -> str:
+    """gclip.torch against torch's own clip plus one all-reduce (empty when none ran)."""
+    if not rows:
+        return ""
+    lines = [["workload", "dtype", "tensors", "clip", "gclip.torch", "torch+allreduce", "gclip/torch"]]
+    keys = sorted({(r["workload"], r["active"]) for r in rows})
+    for name, active in keys:
+        got = {r["impl"]: r for r in rows if (r["workload"], r["active"]) == (name, active)}
+        g, t = got["gclip.torch"], got["torch+allreduce"]
+        line = [name, g["dtype"], str(g["tensors"]), "active" if active else "off"]
+        line += [fmt_t(g["median_s"]), fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}"]
         lines.append(line)
     return columns(lines)

@@ -33,6 +33,7 @@ __all__ = [
     "REP_ELEMENTS",
     "SHARD_SEED",
     "SWEEP_TIMEOUT",
+    "TORCH_LISTS",
     "CountCase",
     "ListWorkload",
     "auto_repeat",
@@ -129,7 +130,12 @@ LISTS = (
     ListWorkload("gpt2-small", GPT2_SMALL, "float32", 7),
     ListWorkload("tiny", ((64,),) * 2000, "float32", 200),
 )
-DEFAULT_LISTS = "gpt2-small,tiny"
+# gclip.torch against torch's own clip, on torch parameters of GPT-2 small's shapes
+TORCH_LISTS = (
+    ListWorkload("gpt2-small-torch", GPT2_SMALL, "float32", 5),
+    ListWorkload("gpt2-small-torch-bf16", GPT2_SMALL, "bfloat16", 5),
+)
+DEFAULT_LISTS = "gpt2-small,tiny,gpt2-small-torch,gpt2-small-torch-bf16"
 LIST_SCALE = 1e-3  # gradient-like magnitudes
 
 
