@@ -229,3 +229,53 @@ def seed_record() -> dict:
     import json
 
     return json.loads(SEED_RECORD.read_text())
+
+
+# --------------------------------------------------------------------------- the pytest-mpi tests' helpers
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """MPI's world, in the tests that run under mpirun (pytest-mpi)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def agree(comm, ok: bool, detail: str = "") -> None:
+    """Assert on every rank that every rank's ``ok`` holds: all ranks pass or fail together,
+    and the message names the ranks that failed."""
+    verdicts = comm.allgather((bool(ok), detail))
+    bad = [f"rank {r}: {d}" for r, (good, d) in enumerate(verdicts) if not good]
+    assert not bad, "; ".join(bad)
+
+
+# --------------------------------------------------------------------------- the compiled kernels
+
+
+@pytest.fixture
+def kernels():
+    """The compiled kernels, or a skip where numba is missing (or GCLIP_KERNELS=0)."""
+    from gclip import _kernels
+
+    k = _kernels.get()
+    if k is None:
+        pytest.skip("numba is not installed here, or GCLIP_KERNELS=0")
+    return k
+
+
+@pytest.fixture
+def numpy_only(monkeypatch):
+    """Run a function with the kernels switched off (GCLIP_KERNELS=0), then back on."""
+    from gclip import _kernels
+
+    def run(fn):
+        monkeypatch.setenv("GCLIP_KERNELS", "0")
+        _kernels.get.cache_clear()
+        try:
+            return fn()
+        finally:
+            monkeypatch.delenv("GCLIP_KERNELS")
+            _kernels.get.cache_clear()
+
+    return run

@@ -14,30 +14,6 @@ from gclip import _kernels, partials
 from oracles import exact_norm, exact_power_sum
 
 
-@pytest.fixture
-def kernels():
-    k = _kernels.get()
-    if k is None:
-        pytest.skip("numba is not installed (pip install 'gclip[fast]'), or GCLIP_KERNELS=0")
-    return k
-
-
-@pytest.fixture
-def numpy_only(monkeypatch):
-    """Run a block with the kernels switched off, then back on."""
-
-    def run(fn):
-        monkeypatch.setenv("GCLIP_KERNELS", "0")
-        _kernels.get.cache_clear()
-        try:
-            return fn()
-        finally:
-            monkeypatch.delenv("GCLIP_KERNELS")
-            _kernels.get.cache_clear()
-
-    return run
-
-
 def exact_sum(x: np.ndarray, p: int) -> Fraction:
     """The reproducible mode's sum of v = |x|**p, exactly (integer mantissas): the oracle.
 

@@ -16,23 +16,11 @@ import pytest
 
 import gclip
 import layout_oracle
+from conftest import agree
 from gclip import Mesh
 from gclip._lab import transformer
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def agree(comm, ok: bool, detail: str = "") -> None:
-    verdicts = comm.allgather((bool(ok), detail))
-    bad = [f"rank {r}: {d}" for r, (good, d) in enumerate(verdicts) if not good]
-    assert not bad, "; ".join(bad)
 
 
 def layouts(size: int, moe: bool) -> list[dict]:

@@ -16,24 +16,11 @@ import pytest
 
 import gclip
 import seed_oracle
+from conftest import agree
 from gclip.contract import rounded, seed_checks
 from oracles import contract_values, exact_norm, follows_contract, gathered
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def agree(comm, ok: bool, detail: str = "") -> None:
-    """Assert on every rank that every rank's ``ok`` holds."""
-    verdicts = comm.allgather((bool(ok), detail))
-    bad = [f"rank {r}: {d}" for r, (good, d) in enumerate(verdicts) if not good]
-    assert not bad, "; ".join(bad)
 
 
 def gather_clipped(comm, result) -> list:

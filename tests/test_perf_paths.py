@@ -15,51 +15,11 @@ import numpy as np
 import pytest
 
 import gclip
-from gclip import _kernels, _validate, partials
+from conftest import OneRankComm
+from gclip import _validate, partials
 from gclip.errors import GclipValueError
 
-
-class _OneRank:
-    """One rank, no MPI: the communicator calls gclip makes."""
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-    def Allreduce(self, send, recv, op=None):
-        recv[...] = send
-
-    def allgather(self, item):
-        return [item]
-
-
-COMM = _OneRank()
-
-
-@pytest.fixture
-def kernels():
-    k = _kernels.get()
-    if k is None:
-        pytest.skip("numba is not installed here, or GCLIP_KERNELS=0")
-    return k
-
-
-@pytest.fixture
-def numpy_only(monkeypatch):
-    """Run a function with the kernels switched off (GCLIP_KERNELS=0), then back on."""
-
-    def run(fn):
-        monkeypatch.setenv("GCLIP_KERNELS", "0")
-        _kernels.get.cache_clear()
-        try:
-            return fn()
-        finally:
-            monkeypatch.delenv("GCLIP_KERNELS")
-            _kernels.get.cache_clear()
-
-    return run
+COMM = OneRankComm()
 
 
 def _mixed(rng: np.random.Generator, n: int = 40) -> list[np.ndarray]:

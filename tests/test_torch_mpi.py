@@ -25,24 +25,10 @@ import torch.distributed as dist  # noqa: E402
 
 import gclip  # noqa: E402
 import gclip.torch as gt  # noqa: E402
-from conftest import OneRankComm  # noqa: E402
+from conftest import OneRankComm, agree  # noqa: E402
 from torch_oracle import DTYPES, float64, fsum_norm, scaled_once  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture(scope="module")
-def comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def agree(comm, ok: bool, detail: str = "") -> None:
-    """Assert on every rank that every rank's ``ok`` holds."""
-    verdicts = comm.allgather((bool(ok), detail))
-    bad = [f"rank {r}: {d}" for r, (good, d) in enumerate(verdicts) if not good]
-    assert not bad, "; ".join(bad)
 
 
 def free_port() -> int:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "check_writable",
     "color",
     "entry",
+    "in_range",
     "internal_error",
     "parse_max_norm",
     "rank_size",
@@ -168,3 +170,20 @@ def entry(
         sys.exit(code)
 
     return run
+
+
+def in_range(kind: type, lo: float, hi: float, what: str, *, above: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a whole number (``int``) or a finite ``float`` in [lo, hi]
+    (above lo with ``above=True``). argparse names ``what`` when it refuses a value:
+    "argument --steps: invalid steps (1..100000) value: 'x'"."""
+
+    def convert(text: str) -> Any:
+        value = kind(text)
+        if kind is float and not math.isfinite(value):
+            raise ValueError(text)
+        if not ((value > lo if above else value >= lo) and value <= hi):
+            raise ValueError(text)
+        return value
+
+    convert.__name__ = what
+    return convert

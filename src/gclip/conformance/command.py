@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _validate
-from .._lab.cli import ArgParser, UsageError, entry, internal_error
+from .._lab.cli import ArgParser, UsageError, entry, in_range, internal_error
 from .._lab.jsonout import dumps
 from . import dreport
 from .report import as_json, report
@@ -51,36 +51,6 @@ DEFAULT_RANDOM = 200
 DEFAULT_RANDOM_LAYOUT = 20  # each layout case is the whole model, on every rank
 
 
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= MAX_RANDOM:
-        raise ValueError(text)
-    return value
-
-
-_nonneg_int.__name__ = "count (0..100000)"  # argparse names the type in its message
-
-
-def _timeout(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
-        raise ValueError(text)
-    return value
-
-
-_timeout.__name__ = "timeout (seconds, > 0)"
-
-
-def _ranks(text: str) -> int:
-    value = int(text)
-    if not 2 <= value <= MAX_RANKS:
-        raise ValueError(text)
-    return value
-
-
-_ranks.__name__ = "rank count (2..64)"
-
-
 def _parser() -> ArgParser:
     p = ArgParser(prog=PROG, description=DESCRIPTION)
     p.add_argument(
@@ -90,14 +60,23 @@ def _parser() -> ArgParser:
     )
     p.add_argument(
         "--random",
-        type=_nonneg_int,
+        type=in_range(int, 0, MAX_RANDOM, f"count (0..{MAX_RANDOM})"),
         default=None,
         help=f"random layouts to try (default {DEFAULT_RANDOM}; {DEFAULT_RANDOM_LAYOUT} with --layout)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random layouts (default 0)")
-    p.add_argument("--timeout", type=_timeout, default=5.0, help="seconds per call or case (default 5)")
+    p.add_argument(
+        "--timeout",
+        type=in_range(float, 0, MAX_TIMEOUT, "timeout (seconds, > 0)", above=True),
+        default=5.0,
+        help="seconds per call or case (default 5)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text verdict")
-    p.add_argument("--ranks", type=_ranks, help="judge a distributed function on a job of R >= 2 ranks")
+    p.add_argument(
+        "--ranks",
+        type=in_range(int, 2, MAX_RANKS, f"rank count (2..{MAX_RANKS})"),
+        help="judge a distributed function on a job of R >= 2 ranks",
+    )
     p.add_argument(
         "--torch",
         action="store_true",

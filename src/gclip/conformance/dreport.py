@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .dverdict import DistVerdict
-from .report import fingerprint_lines, first_failures, verdict_line
+from .report import head
 from .spread import GROUPS
 
 __all__ = ["as_json", "report"]
@@ -102,22 +102,13 @@ def _holding(arrays: list) -> str:
 def report(v: DistVerdict, *, mode: str, layout: dict | None, seed: int, shown: int = 5) -> list[str]:
     """The readable verdict, line by line."""
     where = f"on {v.size} ranks{_mode_words(mode, layout)}"
-    lines = [f"gclip.conformance: judging {v.target} {where} against the contract"]
-    lines += [f"  note: {n}" for n in v.notes]
     groups = [("the lab's model over the layout", "layout")] if layout else list(GROUPS)
-    for title, prefix in groups:
-        title = f"random layouts (seed {seed})" if prefix == "random" else title
-        run = [i for i, c in enumerate(v.cases) if c.label.startswith(prefix)]
-        bad = sum(i in v.reasons for i in run)
-        lines.append(f"  {title:<34} {len(run):>4} run  {bad:>4} failed")
-    if v.stopped:
-        lines.append(f"  stopped: {v.stopped}")
-    lines.append(verdict_line(v.grade, len(v.failed), len(v.cases), v.fingerprint, v.near))
+    groups = [(f"random layouts (seed {seed})" if p == "random" else t, p) for t, p in groups]
+    lines = head(
+        f"gclip.conformance: judging {v.target} {where} against the contract", v.notes, groups, v, shown
+    )
     if v.passed:
         return lines
-    hint = "it fails like no bug of the gallery: see the scales below"
-    lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
-    lines.append(first_failures(shown, len(v.failed)))
     for i in v.failed[:shown]:
         case, run = v.cases[i], v.runs[i]
         lines.append(f"  {case.label}  (max_norm {case.max_norm:g})")

@@ -9,7 +9,7 @@ from .._lab.jsonout import dumps
 from ..strategies import LAYOUT_BUG_NAMES, STRATEGIES
 from .verdict import Verdict
 
-__all__ = ["as_json", "fingerprint_lines", "first_failures", "report", "verdict_line"]
+__all__ = ["as_json", "fingerprint_lines", "first_failures", "head", "report", "verdict_line"]
 
 
 def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
@@ -77,16 +77,13 @@ def first_failures(shown: int, failed: int) -> str:
     return "the failure:" if failed == 1 else f"first {min(shown, failed)} failures:"
 
 
-def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
-    """The readable verdict, line by line."""
-    groups = [
-        ("the contract's checks (N = 1..5)", "contract"),
-        ("edge cases", "edge"),
-        (f"random layouts (seed {seed})", "random"),
-    ]
-    lines = [f"gclip.conformance: judging {v.target} against the contract"]
-    if v.note:
-        lines.append(f"  note: {v.note}")
+NO_BUG_HINT = "it fails like no bug of the gallery: see the scales below"
+
+
+def head(first: str, notes: list[str], groups: list[tuple[str, str]], v: Any, shown: int) -> list[str]:
+    """What both judges print first: the groups of cases, the verdict and the fingerprint
+    (and, on a failure, the line that introduces the failures)."""
+    lines = [first, *(f"  note: {n}" for n in notes)]
     for title, prefix in groups:
         run = [i for i, c in enumerate(v.cases) if c.label.startswith(prefix)]
         bad = sum(i in v.reasons for i in run)
@@ -94,11 +91,23 @@ def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
     if v.stopped:
         lines.append(f"  stopped: {v.stopped}")
     lines.append(verdict_line(v.grade, len(v.failed), len(v.cases), v.fingerprint, v.near))
+    if not v.passed:
+        lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), NO_BUG_HINT)
+        lines.append(first_failures(shown, len(v.failed)))
+    return lines
+
+
+def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
+    """The readable verdict, line by line."""
+    groups = [
+        ("the contract's checks (N = 1..5)", "contract"),
+        ("edge cases", "edge"),
+        (f"random layouts (seed {seed})", "random"),
+    ]
+    notes = [v.note] if v.note else []
+    lines = head(f"gclip.conformance: judging {v.target} against the contract", notes, groups, v, shown)
     if v.passed:
         return lines
-    hint = "it fails like no bug of the gallery: see the scales below"
-    lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
-    lines.append(first_failures(shown, len(v.failed)))
     for i in v.failed[:shown]:
         case, outcome = v.cases[i], v.outcomes[i]
         lines.append(f"  {case.label}")

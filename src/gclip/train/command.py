@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from .. import strategies
 from .._lab import plots
-from .._lab.cli import ArgParser, UsageError, check_writable, entry, parse_max_norm, rank_size, say
+from .._lab.cli import ArgParser, UsageError, check_writable, entry, in_range, parse_max_norm, rank_size, say
 from ..layout import Mesh
 from .figure import plot
 from .layout import train_layout
@@ -22,47 +22,7 @@ DESCRIPTION = "A small model trained with sharded parameters and global-norm cli
 MAX_STEPS = 100_000
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= MAX_STEPS:
-        raise ValueError(text)
-    return value
-
-
-_positive_int.__name__ = "steps (1..100000)"  # argparse names the type in its message
-
-
-def _seed(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-_seed.__name__ = "seed (an integer >= 0)"
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(text)
-    return value
-
-
-_positive_float.__name__ = "number (finite, > 0)"
-
-
 MAX_SIMULATED = 64
-
-
-def _simulated_ranks(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= MAX_SIMULATED:
-        raise ValueError(text)
-    return value
-
-
-_simulated_ranks.__name__ = f"rank count (1..{MAX_SIMULATED})"
 
 
 def _bug(text: str) -> str:
@@ -74,9 +34,24 @@ def _bug(text: str) -> str:
 
 def _parser() -> ArgParser:
     p = ArgParser(prog=PROG, description=DESCRIPTION)
-    p.add_argument("--steps", type=_positive_int, default=200, help="training steps (default 200)")
-    p.add_argument("--seed", type=_seed, default=0, help="data and initialisation seed (default 0)")
-    p.add_argument("--lr", type=_positive_float, default=1.0, help="learning rate (default 1.0)")
+    p.add_argument(
+        "--steps",
+        type=in_range(int, 1, MAX_STEPS, f"steps (1..{MAX_STEPS})"),
+        default=200,
+        help="training steps (default 200)",
+    )
+    p.add_argument(
+        "--seed",
+        type=in_range(int, 0, math.inf, "seed (an integer >= 0)"),
+        default=0,
+        help="data and initialisation seed (default 0)",
+    )
+    p.add_argument(
+        "--lr",
+        type=in_range(float, 0, math.inf, "number (finite, > 0)", above=True),
+        default=1.0,
+        help="learning rate (default 1.0)",
+    )
     p.add_argument("--max-norm", type=parse_max_norm, default=0.05, help="clipping limit (default 0.05)")
     p.add_argument(
         "--buggy",
@@ -88,7 +63,7 @@ def _parser() -> ArgParser:
     )
     p.add_argument(
         "--ranks",
-        type=_simulated_ranks,
+        type=in_range(int, 1, MAX_SIMULATED, f"rank count (1..{MAX_SIMULATED})"),
         metavar="R",
         help="simulate R ranks in this one process, without mpirun (the same clip engine; no MPI needed)",
     )
