@@ -270,7 +270,9 @@ def test_list_bugs_json_without_mpirun():
     listed = json.loads(lines[0])
     bugs = [b for b in listed if b["kind"] == "combine"]  # the layout bugs follow: test_demo_layout
     assert [b["name"] for b in bugs] == [b.name for b in gclip.BUGS]
-    assert [b["kind"] for b in listed] == ["combine"] * len(bugs) + ["layout"] * (len(listed) - len(bugs))
+    usage = len(gclip.strategies.USAGE_BUGS)
+    layout = len(listed) - len(bugs) - usage
+    assert [b["kind"] for b in listed] == ["combine"] * len(bugs) + ["layout"] * layout + ["usage"] * usage
     for b in bugs:
         assert b["summary"] and b["explanation"]
     # every bug cites a checked public incident, but two teaching examples that have none

@@ -129,13 +129,18 @@ class Strategy:
         return min(1.0, max_norm / denom)
 
     def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "incident": self.incident,
-            "explanation": self.explanation,
-            "norm_type": self.norm_type,
-        }
+        return card(self, norm_type=self.norm_type)
+
+
+def card(bug: Any, **more: Any) -> dict:
+    """A gallery entry as a dict: name, summary, where it was seen, why it is wrong (and more)."""
+    return {
+        "name": bug.name,
+        "summary": bug.summary,
+        "incident": bug.incident,
+        "explanation": bug.explanation,
+        **more,
+    }
 
 
 def _rms(*, norm: float, p: float, count: int, power: tuple[float, int] | None, **_: object) -> float:
@@ -301,13 +306,7 @@ class LayoutBug:
         return placement._replace(replicated=reps, tied=tied)
 
     def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "incident": self.incident,
-            "explanation": self.explanation,
-            "shows_on": self.shows_on,
-        }
+        return card(self, shows_on=self.shows_on)
 
 
 LAYOUT_BUGS: tuple[LayoutBug, ...] = (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._lab.jsonout import dumps
-from ..strategies import BUGS, LAYOUT_BUGS
+from ..strategies import BUGS, LAYOUT_BUGS, USAGE_BUGS, card
 from .text import ansi_pad, bold, red
 
 __all__ = ["render_bugs"]
@@ -13,12 +13,14 @@ NO_INCIDENT = "(no public incident confirmed: a teaching example)"
 
 
 def render_bugs(as_json: bool) -> str:
-    """The gallery: name, summary, where it happened; the combine bugs, then the layout bugs."""
+    """The gallery: name, summary, where it happened; the combine bugs, the layout bugs,
+    then the bugs of how a training loop calls the clip (shown with gclip.torch)."""
     if as_json:
         items = [{**b.as_dict(), "kind": "combine"} for b in BUGS]
         items += [{**b.as_dict(), "kind": "layout"} for b in LAYOUT_BUGS]
+        items += [{**card(b), "kind": "usage"} for b in USAGE_BUGS]
         return dumps(items, separators=(",", ":"))
-    total = len(BUGS) + len(LAYOUT_BUGS)
+    total = len(BUGS) + len(LAYOUT_BUGS) + len(USAGE_BUGS)
     width = 22
     pad = width + ansi_pad(red(""))
     lines = [bold(f"gclip bug gallery: {total} ways to get global-norm clipping wrong"), ""]
@@ -34,4 +36,8 @@ def render_bugs(as_json: bool) -> str:
         lines.append(f"  {red(b.name):<{pad}}{b.summary}")
         lines.append(f"  {'':<{width}}seen in: {b.incident}")
         lines.append(f"  {'':<{width}}shows on: --layout {b.shows_on}")
+    lines += ["", bold(f"How the training loop calls the clip ({len(USAGE_BUGS)}): see docs/torch.md")]
+    for b in USAGE_BUGS:
+        lines.append(f"  {red(b.name):<{pad}}{b.summary}")
+        lines.append(f"  {'':<{width}}seen in: {b.incident}")
     return "\n".join(lines)
