@@ -141,6 +141,8 @@ def grads(value: Any, inplace: bool) -> Grads:
     ``__array__``), or a list, tuple or any other iterable of them (a
     generator is read once). float16, float32 and float64 in either byte order.
     """
+    if type(value) is np.ndarray and value.dtype in _NATIVE and (value.flags.writeable or not inplace):
+        return Grads([value], None, None, value)  # one plain array: checked in one line
     if isinstance(value, np.ndarray) or _array_like(value):
         return Grads([_array(value, "grads", inplace)], None, None, value)
     if isinstance(value, (list, tuple)):

@@ -34,6 +34,7 @@ import numpy as np
 from . import partials
 from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
 from .strategies import Accumulate, NormOp, Scope, Share, Strategy
+from .strategies import exact_norm as _exact_norm
 
 __all__ = [
     "EVERY_ARRAY",
@@ -138,6 +139,9 @@ class _Slot(enum.IntEnum):
 
 
 HEADER_SIZE = len(_Slot)
+# the slots as plain ints: the default clip reads them on every call, and an IntEnum
+# member costs an attribute lookup and an __index__ each time
+_ERROR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE, _LAYOUT1, _LAYOUT2 = map(int, _Slot)
 
 
 def norm_program(
@@ -188,24 +192,21 @@ def norm_program(
         ]
     )
     total = (yield Reduce(header)).tolist()  # Python floats: cheaper to read than numpy scalars
-    mismatch = (
-        total[_Slot.H1SQ] * size != total[_Slot.H1] ** 2 or total[_Slot.H2SQ] * size != total[_Slot.H2] ** 2
-    )
-    disagree = total[_Slot.LAYOUT1] != 0.0 or total[_Slot.LAYOUT2] != 0.0
-    if total[_Slot.ERROR] or mismatch or disagree:
-        yield from _agree(error, spec, counting, mismatch=mismatch and not total[_Slot.ERROR])
+    mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
+    disagree = total[_LAYOUT1] != 0.0 or total[_LAYOUT2] != 0.0
+    if total[_ERROR] or mismatch or disagree:
+        yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
 
     if _header_suffices(spec, local, total):  # the default L2 path: the header was the one collective
-        norm, power = partials.root(total[_Slot.SUM], 0, spec.norm_type), (total[_Slot.SUM], 0)
+        norm, power = partials.root(total[_SUM], 0, spec.norm_type), (total[_SUM], 0)
     else:
         norm, power = yield from _combine(local, spec, rank, total)
-    norm = strategy.finish(
-        norm=norm, p=spec.norm_type, count=int(total[_Slot.COUNT]), ranks=size, power=power
-    )
+    if strategy.finish_norm is not _exact_norm:  # a bug that finishes otherwise (rms, mean...)
+        norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
     if error_if_nonfinite:
         # decided on what every rank knows: the global norm, or (scope self) the header's flag
         per_rank = strategy.scope is Scope.SELF
-        bad = total[_Slot.NONFINITE] > 0 if per_rank else not math.isfinite(norm)
+        bad = total[_NONFINITE] > 0 if per_rank else not math.isfinite(norm)
         if bad:
             holders = yield Gather(not math.isfinite(local.norm))
             raise _nonfinite_error(spec, norm, holders, per_rank)
@@ -247,7 +248,7 @@ def _header_suffices(spec: Spec, local: _Local, total: list[float]) -> bool:
         strategy.scope is Scope.ALL
         and strategy.share is Share.POWER
         and local.part is None
-        and not total[_Slot.RESCUE]
+        and not total[_RESCUE]
         and not math.isinf(spec.norm_type)
     )
 
@@ -320,10 +321,10 @@ def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Genera
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
         return binned.summary(got)
-    if total[_Slot.RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
+    if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
         norm = yield from _rescued(local.counted if shares else (), p, mine, local.backend)
         return norm, None
-    return partials.root(total[_Slot.SUM], 0, p), (float(total[_Slot.SUM]), 0)  # rank 0's sum (scope root)
+    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # rank 0's sum (scope root)
 
 
 def _rescued(counted, p: float, mine, backend: Any) -> Generator:
