@@ -186,3 +186,16 @@ def test_three_d_layouts_on_eight_real_ranks():
     proc = mpirun(8, sys.executable, str(ROOT / "tests" / "layouts_8.py"), timeout=300, env=venv_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok: 5 dense layouts and 3 MoE layouts" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_error_if_nonfinite_and_agreed_errors_work_with_groups():
+    ranks, entries, _, _ = simulate(4, dict(dp=2, tp=2))
+    ranks[1][2][0] = np.nan  # a shard that rank 1 counts (tp-rank 1 of the first replica)
+    with pytest.raises(gclip.NonFiniteNormError, match="non-finite values on rank 1"):
+        gclip.clip_simulated(ranks, 1.0, replicated=entries, error_if_nonfinite=True)
+    got = gclip.clip_simulated(ranks, 1.0, replicated=entries)
+    assert all(math.isnan(r.total_norm) and r.scale == 1.0 and not r.finite for r in got)
+    ranks, entries, _, _ = simulate(4, dict(dp=2, tp=2))
+    ranks[2][0] = ranks[2][0].astype(np.int64)  # a bad array on one rank: the same error everywhere
+    with pytest.raises(gclip.GclipTypeError, match="rank 2 of 4"):
+        gclip.clip_simulated(ranks, 1.0, replicated=entries)
