@@ -60,6 +60,13 @@ class Comm:
         else:  # the single-process reference
             self.gclip, self.rank, self.size = None, 0, 1
 
+    def close(self) -> None:
+        """End the gloo group on every rank together: a rank leaving while its group's
+        threads still run can abort the process at exit ("terminate called ...")."""
+        if self.kind == "gloo":
+            self.dist.barrier()
+            self.dist.destroy_process_group()
+
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if self.kind == "mpi":
             self.gclip.Allreduce(self.mpi.IN_PLACE, t.numpy())
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the hidden width {H} must divide over the {comm.size} ranks", file=sys.stderr)
         return 2
     run = train(comm, args.steps, args.max_norm, args.lr, args.mode)
+    comm.close()
     if comm.rank != 0:
         return 0
     reference = run if kind == "reference" else train(Comm("reference"), args.steps, args.max_norm, args.lr)

@@ -152,10 +152,18 @@ def test_torch_list_ops_clip_like_torch():
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from gclip.bench import torch_lists
-
-    if not dist.is_initialized():
+    started = not dist.is_initialized()
+    if started:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        _both_ops_clip(torch, dist)
+    finally:
+        if started:  # later tests in this process must not find a torch group (comm=None would use it)
+            dist.destroy_process_group()
+
+
+def _both_ops_clip(torch, dist) -> None:
+    from gclip.bench import torch_lists
 
     class Ctx:
         pass

@@ -153,7 +153,7 @@ def test_a_quick_test_is_left_alone_by_the_backstop(tmp_path):
 IGNORES_SIGTERM = """
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-print("pid", os.getpid(), flush=True)
+open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()  # a file: the kill may cut stdout
 time.sleep(300)
 """
 
@@ -172,15 +172,18 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_mpirun_helper_ends_the_whole_process_group_on_timeout():
+def test_mpirun_helper_ends_the_whole_process_group_on_timeout(tmp_path):
     # ranks that ignore SIGTERM and Hydra's watchdog set far away: only the group kill ends them
     start = time.monotonic()
-    proc = mpirun(2, sys.executable, "-c", IGNORES_SIGTERM, timeout=1, env={"MPIEXEC_TIMEOUT": "600"})
+    proc = mpirun(
+        2, sys.executable, "-c", IGNORES_SIGTERM, str(tmp_path), timeout=5, env={"MPIEXEC_TIMEOUT": "600"}
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 124, proc.stdout + proc.stderr
     assert "ended its whole process group" in proc.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    pids = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("pid ")]
+    pids = [int(f.name) for f in tmp_path.iterdir()]
+    assert len(pids) == 2, pids
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

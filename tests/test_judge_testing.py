@@ -26,7 +26,7 @@ def test_assert_conforms_passes_and_fails_alike_on_every_rank():
     proc = _pytest_mpi(3, "verdict_suite.py")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert sorted(re.findall(r"RANK (\d) PASSED", proc.stdout)) == ["0", "1", "2"]
-    raised = re.findall(r"RANK (\d) RAISED (\w+) \| (.*) \| (.*)", proc.stdout)
+    raised = re.findall(r"RANK (\d) RAISED (\w+) \| (.*?) \| (.*?) \|end", proc.stdout)
     assert sorted(r[0] for r in raised) == ["0", "1", "2"]
     assert len({r[1:] for r in raised}) == 1, "the ranks' messages differ"
     _, _, first, fingerprint = raised[0]
