@@ -55,17 +55,32 @@ def test_list_rows_arithmetic():
     assert rows["gclip"]["elements"] == 128_000
     text = table.format_lists(list(rows.values()))
     assert "tiny" in text and "0.25" in text
+    assert "vs_floor" not in rows["gclip"]  # no floor measured: no ratio to it
+
+
+def test_list_rows_against_the_floor():
+    w = workloads.ListWorkload("tiny", ((64,),) * 2000, "float32", 5)
+    rows = {r["impl"]: r for r in lists.list_rows(w, True, _times(**{
+        "floor": 1e-3, "gclip": 2e-3, "gclip-repro": 3e-3, "torch-foreach": 8e-3}), misses=0)}  # fmt: skip
+    assert rows["gclip"]["vs_floor"] == pytest.approx(2.0)
+    assert rows["gclip-repro"]["vs_floor"] == pytest.approx(3.0)
+    assert rows["floor"]["vs_torch"] == pytest.approx(0.125)
+    line = next(x for x in table.format_lists(list(rows.values())).splitlines() if x.startswith("tiny"))
+    assert line.split()[-1] == "0.12" and "2.00" in line.split()
 
 
 def test_list_targets_read_the_rows():
     w = workloads.ListWorkload("gpt2-small", workloads.GPT2_SMALL, "float32", 5)
     rows = lists.list_rows(w, False, _times(**{"gclip": 5e-2, "gclip-repro": 9e-2, "torch-foreach": 1e-1}), 0)
-    rows += lists.list_rows(w, True, _times(**{"gclip": 7e-2, "gclip-repro": 9e-2, "torch-foreach": 1e-1}), 0)
+    rows += lists.list_rows(w, True, _times(**{
+        "floor": 6e-2, "gclip": 7e-2, "gclip-repro": 9e-2, "torch-foreach": 1e-1}), 0)  # fmt: skip
     m = targets.Measured([], [], {"default_active": {"total": 1, "pickle_based": 0}}, 1e-6, rows)
     got = {t["name"]: t for t in targets.evaluate(m)}
     assert got["gpt2-small inactive: gclip / torch foreach"]["ok"] is True  # 0.5 <= 0.6
     assert got["gpt2-small active: gclip / torch foreach"]["ok"] is False  # 0.7 > 0.6
     assert "reproducible: 0.90x torch" in got["gpt2-small inactive: gclip / torch foreach"]["note"]
+    active = got["gpt2-small active: gclip / torch foreach"]["note"]
+    assert "the floor (bare memory passes): 0.60x torch" in active
     assert "tiny inactive: gclip / torch foreach" not in got  # not measured: left out
 
 

@@ -3,6 +3,10 @@
 Each rank holds its own list of a ``ListWorkload``'s shapes (``workloads``).
 Timed, interleaved as the shards are, with clipping off and active:
 
+- ``floor``: the memory passes no clip can skip, nothing checked: a dot per
+  array (one read), and when clipping is active a multiply in place (a read and
+  a write), plus the one all-reduce; its time over torch's is the best ratio
+  any standalone clip can reach on this machine;
 - ``gclip``: ``clip_by_global_norm(arrays, max_norm, inplace=True)``;
 - ``gclip-repro``: the same with ``reproducible=True``;
 - ``torch-foreach``: what ``torch.nn.utils.clip_grad_norm_(foreach=True)``
@@ -46,12 +50,25 @@ def torch_foreach(torch_ctx: Any, arrays: list, norm: Norm, limit: Callable[[], 
 
 
 def _ops(arrays: list, norm: Norm, active: bool, torch_ctx: Any, comm: Any) -> list:
+    import numpy as np
+    from mpi4py import MPI
+
     import gclip
 
     fixed = INACTIVE_FACTOR * norm.value
 
     def limit() -> float:
         return norm.value * (1.0 - DELTA) if active else fixed
+
+    local, total = np.zeros(1), np.empty(1)
+
+    def floor() -> None:
+        local[0] = sum(float(np.dot(a, a)) for a in arrays)
+        comm.Allreduce(local, total, op=MPI.SUM)
+        if active:
+            for a in arrays:
+                np.multiply(a, 1.0 - DELTA, out=a)
+            norm.value *= 1.0 - DELTA
 
     def clip(reproducible: bool) -> Callable[[], None]:
         def run() -> None:
@@ -64,7 +81,7 @@ def _ops(arrays: list, norm: Norm, active: bool, torch_ctx: Any, comm: Any) -> l
 
         return run
 
-    ops = [("gclip", clip(False)), ("gclip-repro", clip(True))]
+    ops = [("floor", floor), ("gclip", clip(False)), ("gclip-repro", clip(True))]
     torch_op = torch_foreach(torch_ctx, arrays, norm, limit, active)
     if torch_op is not None:
         ops.append(("torch-foreach", torch_op))
@@ -94,7 +111,7 @@ def list_rows(workload: ListWorkload, active: bool, times: dict[str, dict], miss
     tensors = len(workload.shapes)
     elements = sum(math.prod(s) for s in workload.shapes)
     default = times["gclip"]["median_s"]
-    torch = times.get("torch-foreach")
+    torch, floor = times.get("torch-foreach"), times.get("floor")
     rows = []
     for impl, t in times.items():
         row = {
@@ -115,5 +132,7 @@ def list_rows(workload: ListWorkload, active: bool, times: dict[str, dict], miss
             row["vs_default"] = t["median_s"] / default
         if impl.startswith("gclip"):
             row["misses"] = misses if active else 0
+            if floor is not None:
+                row["vs_floor"] = t["median_s"] / floor["median_s"]
         rows.append(row)
     return rows

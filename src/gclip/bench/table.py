@@ -130,16 +130,21 @@ def format_lists(rows: list[dict]) -> str:
     """The list workloads' table (empty when none ran)."""
     if not rows:
         return ""
-    head = ["workload", "tensors", "clip", "gclip", "per tensor", "repro", "x dflt", "torch-foreach"]
-    head += ["gclip/torch", "repro/torch"]
+    head = ["workload", "tensors", "clip", "floor", "gclip", "per tensor", "gclip/floor", "repro", "x dflt"]
+    head += ["torch-foreach", "gclip/torch", "repro/torch", "floor/torch"]
     lines = [head]
     keys = sorted({(r["workload"], r["active"]) for r in rows}, key=lambda k: (k[0], k[1]))
     for name, active in keys:
         got = {r["impl"]: r for r in rows if (r["workload"], r["active"]) == (name, active)}
-        g, p, t = got["gclip"], got["gclip-repro"], got.get("torch-foreach")
-        line = [name, str(g["tensors"]), "active" if active else "off", fmt_t(g["median_s"])]
-        line += [fmt_t(g["per_tensor_s"]), fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
-        line += [fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}", f"{p['vs_torch']:.2f}"] if t else ["-"] * 3
+        g, p, t, f = got["gclip"], got["gclip-repro"], got.get("torch-foreach"), got.get("floor")
+        line = [name, str(g["tensors"]), "active" if active else "off", fmt_t(f["median_s"]) if f else "-"]
+        line += [fmt_t(g["median_s"]), fmt_t(g["per_tensor_s"]), f"{g['vs_floor']:.2f}" if f else "-"]
+        line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
+        if t:
+            line += [fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}", f"{p['vs_torch']:.2f}"]
+            line += [f"{f['vs_torch']:.2f}" if f else "-"]
+        else:
+            line += ["-"] * 4
         lines.append(line)
     return columns(lines)
 

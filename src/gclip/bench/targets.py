@@ -97,8 +97,10 @@ def list_vs_torch(name: str, active: bool) -> Callable[[Measured], Reading | Non
         got = {r["impl"]: r for r in m.lists if r["workload"] == name and r["active"] == active}
         if "gclip" not in got or "vs_torch" not in got["gclip"]:
             return None
-        g, p = got["gclip"], got.get("gclip-repro")
+        g, p, f = got["gclip"], got.get("gclip-repro"), got.get("floor")
         note = f"{g['per_tensor_s'] * 1e6:.3g} us per tensor"
+        if f is not None:
+            note += f"; the floor (bare memory passes): {f['vs_torch']:.2f}x torch"
         if p is not None:
             note += f"; reproducible: {p['vs_torch']:.2f}x torch, {p['vs_default']:.2f}x default"
         return Reading(g["vs_torch"], note)
