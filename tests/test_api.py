@@ -265,6 +265,30 @@ def test_comm_self_clips_this_process_alone(self_comm):
     assert gclip.global_norm(x, comm=self_comm) == 13.0
 
 
+# --------------------------------------------------------------------------- the limit
+
+
+@pytest.mark.parametrize("limit", [np.array(5.0), np.array([5.0]), np.array([[5.0]]), np.float32(5.0)])
+def test_a_limit_held_in_an_array_of_one_value_is_that_value(self_comm, limit):
+    x = np.array([3.0, 4.0, 12.0])  # norm 13: the scale is 5/13
+    result = gclip.clip_by_global_norm(x, limit, comm=self_comm)
+    assert result.scale == 5.0 / 13.0
+
+
+def test_an_array_limit_of_several_values_is_a_one_line_type_error(self_comm):
+    with pytest.raises(gclip.GclipTypeError, match="max_norm must be a number, got a ndarray of 2 values"):
+        gclip.clip_by_global_norm(np.ones(3), np.array([1.0, 2.0]), comm=self_comm)
+
+
+def test_a_limit_changed_in_place_between_calls_is_read_afresh(self_comm):
+    """A mutable limit (an adaptive clip keeping it in an array) is never remembered by identity."""
+    limit = np.array([1.0])
+    x = np.array([3.0, 4.0])
+    assert gclip.clip_by_global_norm(x, limit, comm=self_comm).scale == 1.0 / 5.0
+    limit[0] = 2.0
+    assert gclip.clip_by_global_norm(x, limit, comm=self_comm).scale == 2.0 / 5.0
+
+
 @pytest.mark.parametrize("comm", [object(), 42, "world", [1, 2]], ids=["object", "int", "str", "list"])
 def test_a_comm_that_is_not_mpi4py_is_a_type_error(comm):
     for call in (
@@ -279,9 +303,11 @@ def test_a_comm_that_is_not_mpi4py_is_a_type_error(comm):
 LONE = """
 import json, sys
 import numpy as np
+from mpi4py import MPI
 import gclip
+comm = {"none": None, "world": MPI.COMM_WORLD, "self": MPI.COMM_SELF}[sys.argv[1]]
 try:
-    result = gclip.clip_by_global_norm(np.array([3.0, 4.0]), 1.0)
+    result = gclip.clip_by_global_norm(np.array([3.0, 4.0]), 1.0, comm=comm)
 except gclip.GclipError as exc:
     print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
     sys.exit(3)
@@ -291,13 +317,15 @@ print(json.dumps({"norm": result.total_norm}))
 LAUNCHER_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
-def run_alone(**env_vars: str) -> tuple[int, str]:
+def run_alone(comm: str = "none", **env_vars: str) -> tuple[int, str]:
     """LONE in a fresh Python, without mpirun, with these launcher variables (and no others)."""
     env = venv_env()
     for var in [*LAUNCHER_VARS, "PMI_RANK", "PMI_FD", "PMI_PORT", "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_RANK"]:
         env.pop(var, None)
     env.update(env_vars)
-    proc = subprocess.run([sys.executable, "-c", LONE], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", LONE, comm], capture_output=True, text=True, env=env, timeout=120
+    )
     return proc.returncode, proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
 
 
@@ -314,6 +342,17 @@ def test_comm_none_is_refused_in_a_process_launched_as_one_of_several(var, value
     assert report["error"] == "GclipError", report
     message = report["message"]
     assert "\n" not in message and f"{var}={value}" in message and "comm=None" in message, message
+
+
+@pytest.mark.slow
+def test_comm_world_spelled_out_is_refused_there_too_and_comm_self_is_not():
+    import json
+
+    code, line = run_alone("world", WORLD_SIZE="2")
+    assert code == 3, line
+    assert "comm=MPI.COMM_WORLD: MPI sees 1 rank" in json.loads(line)["message"], line
+    code, line = run_alone("self", WORLD_SIZE="2")  # each process clipping alone, said explicitly
+    assert code == 0 and json.loads(line) == {"norm": 5.0}, line
 
 
 @pytest.mark.slow

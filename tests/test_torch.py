@@ -375,6 +375,46 @@ def test_core_api_takes_iterables_names_none_and_takes_tensor_limits():
         gclip.clip_by_global_norm([grads[0], None], 1.0, comm=ONE)
 
 
+def test_core_api_gives_tensors_back_for_tensors_when_not_in_place():
+    """inplace=False: a new tensor for each tensor given (numpy arrays stay numpy), in the layout given."""
+    t, a = torch.tensor([3.0, 4.0]), np.array([12.0])  # norm 13
+    single = gclip.clip_by_global_norm(t, 1.0, comm=ONE).grads
+    assert isinstance(single, torch.Tensor) and single.dtype == torch.float32
+    assert single.tolist() == pytest.approx([0.6, 0.8], rel=2.0**-22) and t[0].item() == 3.0  # t untouched
+    pair = gclip.clip_by_global_norm((t, a), 1.0, comm=ONE).grads
+    assert type(pair) is tuple and isinstance(pair[0], torch.Tensor) and type(pair[1]) is np.ndarray
+    assert pair[1][0] == 12.0 / 13.0
+    tied = gclip.clip_by_global_norm([t, t], 1.0, comm=ONE).grads  # counted once: norm 5
+    assert all(isinstance(g, torch.Tensor) for g in tied) and tied[0][1].item() == pytest.approx(0.8)
+    halves = [gclip.clip_with_norm([t], 1.0, 5.0)[0], gclip.apply_scale([t], 0.5)[0]]
+    assert all(isinstance(g, torch.Tensor) for g in halves)
+    assert halves[1].tolist() == [1.5, 2.0]
+
+
+@pytest.mark.parametrize("limit", [torch.tensor(2.0), torch.tensor([2.0]), torch.tensor([[2.0]])])
+def test_a_tensor_limit_of_one_value_is_taken_as_torch_takes_it(limit):
+    p = one_param(shape=(4,))  # grad ones(4): norm 2
+    p.grad.mul_(2.0)  # norm 4
+    gt.clip_grad_norm_([p], limit, comm=ONE)
+    assert fsum_norm([p.grad]) == pytest.approx(2.0, rel=1e-6)
+    with pytest.raises(gclip.GclipTypeError, match="max_norm must be a number, got a Tensor of 2 values"):
+        gt.clip_grad_norm_([p], torch.tensor([1.0, 2.0]), comm=ONE)
+
+
+@pytest.mark.parametrize("api", ["core", "torch"])
+def test_a_tensor_limit_changed_in_place_is_read_afresh(api):
+    """A tensor hashes by identity: a limit kept in a tensor and updated in place must not be remembered."""
+    limit = torch.tensor(1.0)
+    for target in (1.0, 0.5, 0.25):
+        limit.fill_(target)
+        p = one_param(shape=(4,))  # norm 2, above every target
+        if api == "core":
+            gclip.clip_by_global_norm(p.grad, limit, comm=ONE, inplace=True)
+        else:
+            gt.clip_grad_norm_([p], limit, comm=ONE)
+        assert fsum_norm([p.grad]) == pytest.approx(target, rel=1e-6)
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [(one_param(), "requires grad"), (torch.ones(2, dtype=torch.bfloat16), "use gclip.torch")],

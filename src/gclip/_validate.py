@@ -40,9 +40,12 @@ def _real(value: object) -> bool:
 
 
 def _scalar(value: Any, name: str) -> float:
-    """A real number, or a 0-d array or tensor holding one (numpy, torch), as a float."""
-    if not _real(value) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        value = value.item()  # a 0-d array or tensor: its one number
+    """A real number, or an array or tensor holding exactly one (numpy, torch), as a float."""
+    if not _real(value) and getattr(value, "ndim", None) is not None and hasattr(value, "item"):
+        count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if count != 1:
+            raise GclipTypeError(f"{name} must be a number, got a {type(value).__name__} of {count} values")
+        value = value.item()  # an array or tensor of one element (as torch's clip takes): its number
     if not _real(value):
         raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
     try:
@@ -119,15 +122,26 @@ class Grads(NamedTuple):
         return out
 
     def rebuild(self, outputs: list[Any]) -> Any:
-        """The outputs (one per distinct array) in the layout given."""
+        """The outputs (one per distinct array) in the layout given; where a torch
+        tensor was given, a tensor (on the new array's memory) comes back."""
         if self.container is None:
-            return outputs[0]
+            return _like(self.source, outputs[0])
         items = outputs if self.slots is None else [outputs[s] for s in self.slots]
+        if self.source is not None:
+            items = [_like(src, out) for src, out in zip(self.source, items)]
         return tuple(items) if self.container is tuple else items
 
     def as_given(self) -> Any:
         """What was given, the very objects (a generator's items as a list)."""
         return self.source
+
+
+def _like(source: Any, out: np.ndarray) -> Any:
+    """``out`` as the kind of array ``source`` was: a torch tensor for a tensor (torch
+    is imported already, since a tensor was given), else the numpy array itself."""
+    if _is_tensor(source):
+        return sys.modules["torch"].from_numpy(out)
+    return out
 
 
 def _same_entry(a: Any, b: Any) -> bool:
@@ -303,14 +317,21 @@ def communicator(comm: Any) -> Any:
 
         comm = MPI.COMM_WORLD
         if comm.Get_size() == 1:
-            _refuse_lone_rank()
+            _refuse_lone_rank("comm=None")
         return comm
     if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
         hint = ""
         if "torch" in type(comm).__module__:
             hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
         raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
+    if comm.Get_size() == 1 and _is_comm_world(comm):  # COMM_WORLD spelled out: the same trap
+        _refuse_lone_rank("comm=MPI.COMM_WORLD")
     return comm
+
+
+def _is_comm_world(comm: Any) -> bool:
+    MPI = sys.modules.get("mpi4py.MPI")
+    return MPI is not None and isinstance(comm, MPI.Comm) and comm == MPI.COMM_WORLD
 
 
 # launchers that say how many processes they started; MPI seeing one means it was not told
@@ -332,12 +353,13 @@ def launched_size() -> tuple[int, str] | None:
     return None
 
 
-def _refuse_lone_rank() -> None:
+def _refuse_lone_rank(given: str) -> None:
     launched = launched_size()
     if launched is not None:
         n, why = launched
         raise GclipError(
-            f"comm=None: MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
-            "would use this process's own norm. Start the job with mpirun, pass comm=, or use "
-            "gclip.torch.clip_grad_norm_ (it takes the torch.distributed group)"
+            f"{given}: MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
+            "would use this process's own norm. Start the job with mpirun, pass the communicator "
+            "of the ranks that share the gradient (MPI.COMM_SELF if each process really clips "
+            "alone), or use gclip.torch.clip_grad_norm_ (it takes the torch.distributed group)"
         )

@@ -111,10 +111,8 @@ def _prepare(
 def _settings(*key: Any) -> tuple[engine.Spec, float]:
     """The checked scalar arguments as (Spec, limit). A training loop passes the
     same ones every step, so they are checked (and fingerprinted) once."""
-    try:
-        hash(key)
-    except TypeError:  # e.g. an array as max_norm: checked uncached
-        return _check_settings(*key)
+    if not all(type(k) in _PLAIN or k is _NO_LIMIT for k in key):
+        return _check_settings(*key)  # e.g. a tensor as max_norm: it hashes by identity, not value
     return _cached_settings(*key)
 
 
@@ -130,6 +128,7 @@ def _check_settings(
     return engine.Spec(strategy, p, reproducible, extra), limit
 
 
+_PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe cache keys
 # typed: True, 1 and 1.0 are equal keys, but True is refused where 1 is not
 _cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
 
