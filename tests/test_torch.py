@@ -131,16 +131,35 @@ def test_reproducible_digits_are_numpys_integers(numpy_digits, p, dtype, magnitu
     t = x.to(dtype)
     binned = partials.BinnedPowerSum(p)
     theirs = numpy_digits(binned, [float64(t)])
-    mine = tp.binned_digits(binned, [t[:100].view(10, 10).t(), t[100:]])  # any split, any layout
-    assert kept_bins(binned, mine) == kept_bins(binned, theirs)
+    parts = [t[:100].view(10, 10).t(), t[100:]]  # any split, any layout
+    for mine in (tp.digits_with_torch_ops(binned, parts), tp.binned_digits(binned, parts)):
+        assert kept_bins(binned, mine) == kept_bins(binned, theirs)
+        assert binned.exact(mine) == binned.exact(theirs)
+        assert binned.summary(mine) == binned.summary(theirs)
+
+
+def test_reproducible_digits_of_mixed_dtypes_add_up_as_ranks_do():
+    """CPU float16/32/64 go to numpy's digit kernel, bfloat16 to torch ops: the sum is the whole's."""
+    g = torch.Generator().manual_seed(7)
+    tensors = [(torch.randn(5000, generator=g, dtype=torch.float64) * 3).to(d) for d in DTYPES]
+    tensors.append(tensors[0][::3])  # a strided view
+    binned = partials.BinnedPowerSum(2)
+    theirs = binned.local([float64(t) for t in tensors])
+    mine = tp.binned_digits(binned, tensors)
+    assert kept_bins(binned, mine) == kept_bins(binned, theirs) and mine[0] == theirs[0]
     assert binned.exact(mine) == binned.exact(theirs)
-    assert binned.summary(mine) == binned.summary(theirs)
 
 
 def test_reproducible_digits_carry_inf_and_nan():
     binned = partials.BinnedPowerSum(2)
     assert tp.binned_digits(binned, [torch.tensor([1.0, math.inf])])[1] == math.inf
     assert math.isnan(tp.binned_digits(binned, [torch.tensor([math.inf, 2.0]), torch.tensor([math.nan])])[1])
+    for call in (tp.binned_digits, tp.digits_with_torch_ops):  # bfloat16 (torch ops) mixed with float32
+        mixed = [torch.tensor([math.inf], dtype=torch.bfloat16), torch.tensor([math.nan, 1.0])]
+        assert math.isnan(call(binned, mixed)[1])
+        assert (
+            call(binned, [torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([math.inf])])[1] == math.inf
+        )
 
 
 @pytest.mark.parametrize(

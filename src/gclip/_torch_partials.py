@@ -33,6 +33,7 @@ __all__ = [
     "chunk_size",
     "chunks",
     "count",
+    "digits_with_torch_ops",
     "half_power_sum",
     "max_abs",
     "power_sum",
@@ -205,6 +206,24 @@ def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
 
 def binned_digits(binned: BinnedPowerSum, arrays: Sequence[torch.Tensor]) -> np.ndarray:
     """The reproducible mode's local part, laid out as ``binned.local(arrays)``.
+
+    CPU tensors that numpy can view without a copy go to ``binned.local`` itself
+    (its compiled digit kernel: about 30 times faster than torch ops on the CPU);
+    the rest (bfloat16, other devices) to :func:`digits_with_torch_ops`. The two
+    parts add up as two ranks' parts do: digit counts are integers.
+    """
+    host = [t for t in arrays if t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE]
+    if not host:
+        return digits_with_torch_ops(binned, arrays)
+    rest = [t for t in arrays if not (t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE)]
+    out = binned.local([t.numpy() for t in host])
+    if rest:
+        out += digits_with_torch_ops(binned, rest)  # inf + NaN is NaN, as across ranks
+    return out
+
+
+def digits_with_torch_ops(binned: BinnedPowerSum, arrays: Sequence[torch.Tensor]) -> np.ndarray:
+    """:func:`binned_digits` computed with torch ops, on the device where each tensor lives.
 
     BinnedPowerSum cuts each value into digits on a fixed grid of bins, starting
     at the top bin of a block's largest value. A value's digit in a bin does not
