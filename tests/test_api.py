@@ -47,6 +47,21 @@ def test_the_same_array_twice_counts_once_and_is_scaled_once(self_comm, containe
     assert np.array_equal(a, np.full(4, 0.5))  # not 0.25
 
 
+def test_the_same_array_twice_with_two_entries_is_named_without_addresses(self_comm):
+    a = np.ones(3)
+    for entries, words in (
+        ([True, False], "(True, False)"),
+        ([self_comm, False], "(Intracomm of 1 ranks, False)"),
+    ):
+        with pytest.raises(gclip.GclipValueError) as info:
+            gclip.global_norm([a, a], replicated=entries, comm=self_comm)
+        assert (
+            f"grads[0] and grads[1] are the same array but replicated gives them different entries {words}"
+            in str(info.value)
+        ), str(info.value)
+        assert " at 0x" not in str(info.value)
+
+
 def test_the_same_array_twice_not_in_place(self_comm):
     a = np.ones(4)
     result = gclip.clip_by_global_norm([a, np.full(2, 3.0), a], 1.0, comm=self_comm)

@@ -119,6 +119,54 @@ def test_a_bad_mesh_is_the_same_error_on_every_rank(comm):
     agree(comm, len(set(messages)) == 1 and f"the world has {comm.size}" in messages[0], str(messages))
 
 
+def test_ranks_that_ask_for_different_meshes_get_the_same_error(comm):
+    if comm.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    axes = {"dp": comm.size} if comm.rank else {"pp": comm.size}
+    with pytest.raises(gclip.GclipValueError) as info:
+        Mesh(comm, **axes)
+    messages = comm.allgather(str(info.value))
+    agree(comm, len(set(messages)) == 1, str(messages))
+    agree(comm, f"rank 0: pp={comm.size}" in messages[0] and f"dp={comm.size}" in messages[0], messages[0])
+
+
+def tied_first_and_last(comm):
+    """A tensor tied between rank 0 and the last rank, named and placed differently on each:
+    (arrays, entries, names) for this rank, and the group (None elsewhere)."""
+    last = comm.size - 1
+    tied = comm.Split(0 if comm.rank in (0, last) else 1, comm.rank)
+    embed = np.linspace(-1.0, 2.0, 6)
+    own = np.full(3, float(comm.rank + 1))
+    if comm.rank == 0:
+        return [embed.copy(), own], [tied, False], ["embed", "w0"], tied
+    if comm.rank == last:
+        return [own, embed.copy()], [False, tied], [f"w{last}", "head"], tied
+    return [own], [False], [f"w{comm.rank}"], tied
+
+
+def test_a_tied_copy_is_matched_by_its_place_in_the_group_not_its_name(comm):
+    if comm.size == 1:
+        pytest.skip("a tie needs two ranks")
+    arrays, entries, names, tied = tied_first_and_last(comm)
+    gclip.check_replicas(arrays, replicated=entries, names=names)  # the copies agree
+    rows = gclip.explain(arrays, replicated=entries, names=names)
+    powers = [float(np.dot(a, a)) for a in arrays]  # the oracle: each rank's own, the tie once
+    every = comm.allgather(powers)
+    total = math.fsum(x for r, mine in enumerate(every) for x in (mine if r == 0 else mine[:1]))
+    agree(comm, len(rows) == comm.size + 1, f"{len(rows)} rows: {rows}")
+    tie = [r for r in rows if len(r.ranks) == 2]
+    agree(comm, len(tie) == 1 and tie[0].name == "embed / head" and tie[0].counted_on == 0, str(tie))
+    agree(comm, math.isclose(math.fsum(r.power for r in rows), total, rel_tol=1e-12), str(rows))
+    if comm.rank == comm.size - 1:
+        arrays[1][2] *= 1.5  # the head drifts from the embedding
+    with pytest.raises(gclip.GclipValueError) as info:
+        gclip.check_replicas(arrays, replicated=entries, names=names)
+    messages = comm.allgather(str(info.value))
+    agree(comm, len(set(messages)) == 1, str(messages))
+    agree(comm, f"'embed / head' differ: rank {comm.size - 1}" in messages[0], messages[0])
+    tied.Free()
+
+
 def test_explain_gives_every_rank_the_same_table(comm):
     mesh = Mesh(comm, dp=1, tp=comm.size) if comm.size in (1, 2, 4) else Mesh(comm, pp=comm.size)
     arrays, entries, names, pieces = transformer.clip_arguments(mesh)

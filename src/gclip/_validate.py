@@ -117,7 +117,7 @@ class Grads(NamedTuple):
                 first = self.slots.index(slot)
                 raise GclipValueError(
                     f"grads[{first}] and grads[{i}] are the same array but {name} gives them "
-                    f"different entries ({out[slot]!r}, {value!r})"
+                    f"different entries ({_entry_text(out[slot])}, {_entry_text(value)})"
                 )
         return out
 
@@ -142,6 +142,16 @@ def _like(source: Any, out: np.ndarray) -> Any:
     if _is_tensor(source):
         return sys.modules["torch"].from_numpy(out)
     return out
+
+
+def _entry_text(entry: Any) -> str:
+    """An entry as every rank can print it alike (never an object's address)."""
+    if isinstance(entry, (bool, np.bool_, type(None))):
+        return repr(bool(entry)) if entry is not None else "None"
+    size = getattr(entry, "Get_size", None) or getattr(entry, "size", None)  # torch groups: size()
+    if callable(size):
+        return f"{type(entry).__name__} of {size()} ranks"
+    return type(entry).__name__
 
 
 def _same_entry(a: Any, b: Any) -> bool:

@@ -42,6 +42,7 @@ __all__ = [
     "Counting",
     "Gather",
     "NormInfo",
+    "Program",
     "Reduce",
     "Spec",
     "norm_program",

@@ -250,6 +250,37 @@ class Placement(NamedTuple):
     tied: str | None = None
 
 
+def _check_mesh(axes: dict[str, Any], size: int) -> None:
+    if not axes:
+        raise GclipValueError("Mesh needs at least one axis, e.g. Mesh(comm, dp=2, tp=2)")
+    for name, n in axes.items():
+        if name not in AXES:
+            raise GclipValueError(f"Mesh: unknown axis {name!r}; the axes are {', '.join(AXES)}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise GclipValueError(f"Mesh: axis {name} must be a whole number >= 1, got {n!r}")
+    if math.prod(axes.values()) != size:
+        shape = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise GclipValueError(f"Mesh: {shape} = {math.prod(axes.values())} ranks, but the world has {size}")
+
+
+def _agree_on_mesh(every: Sequence[tuple[str | None, str]]) -> None:
+    """Every rank's (error, axes): the same error on every rank if any rank has one, or if
+    the ranks asked for different meshes (their groups would not match)."""
+    errors = [(r, message) for r, (message, _) in enumerate(every) if message is not None]
+    if errors:
+        r, message = errors[0]
+        same = all(m == message for m, _ in every)
+        raise GclipValueError(message if same else f"{message} (on rank {r} of {len(every)})")
+    asked: dict[str, list[int]] = {}
+    for r, (_, axes) in enumerate(every):
+        asked.setdefault(axes, []).append(r)
+    if len(asked) > 1:
+        said = "; ".join(
+            f"{'rank' if len(rs) == 1 else 'ranks'} {ranges(rs)}: {axes}" for axes, rs in asked.items()
+        )
+        raise GclipValueError(f"Mesh: the ranks ask for different meshes ({said})")
+
+
 class Mesh:
     """Named axes over the ranks of ``comm``, and the groups of a layout.
 
@@ -279,18 +310,16 @@ class Mesh:
                 )
             rank, size = comm.Get_rank(), comm.Get_size()
             self.comm = comm
-        if not axes:
-            raise GclipValueError("Mesh needs at least one axis, e.g. Mesh(comm, dp=2, tp=2)")
-        for name, n in axes.items():
-            if name not in AXES:
-                raise GclipValueError(f"Mesh: unknown axis {name!r}; the axes are {', '.join(AXES)}")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise GclipValueError(f"Mesh: axis {name} must be a whole number >= 1, got {n!r}")
-        if math.prod(axes.values()) != size:
-            shape = " x ".join(f"{k}={v}" for k, v in axes.items())
-            raise GclipValueError(
-                f"Mesh: {shape} = {math.prod(axes.values())} ranks, but the world has {size}"
-            )
+        try:
+            _check_mesh(axes, size)
+            error = None
+        except GclipValueError as exc:
+            error = exc
+        if self.comm is not None:  # one allgather, once: every rank raises together, or none does
+            asked = ",".join(f"{k}={v!r}" for k, v in axes.items())
+            _agree_on_mesh(self.comm.allgather((None if error is None else str(error), asked)))
+        elif error is not None:
+            raise error
         self.axes: tuple[str, ...] = tuple(axes)
         self.shape: dict[str, int] = dict(axes)
         self.rank, self.size = rank, size

@@ -44,8 +44,15 @@ class _Record(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     members: tuple[int, ...]
+    slot: int  # its place among this rank's arrays of the same group: the k-th of each member match
     power: float
     crc: int
+
+    @property
+    def key(self) -> tuple[tuple[int, ...], int]:
+        """The copy it is, the same on every member: the group and the place in it, as the
+        engine matches what a group's members declare (names and positions may differ)."""
+        return self.members, self.slot
 
 
 def _records(
@@ -59,6 +66,7 @@ def _records(
     )
     labels = _names(given, names)
     out = []
+    places: dict[tuple[int, ...], int] = {}
     for i, (a, entry, label) in enumerate(zip(given.arrays, entries, labels)):
         if entry is False or entry is None or (isinstance(entry, (bool, np.bool_)) and not entry):
             members = (rank,)
@@ -68,8 +76,14 @@ def _records(
             holding = _holding(entry, comm, rank, size, i)
             members = holding.members
         power = partials.max_abs([a])[0] if math.isinf(p) else partials.power_sum([a], p)[0]
-        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, power, _crc(a)))
+        slot = places[members] = places.get(members, -1) + 1
+        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, slot, power, _crc(a)))
     return out
+
+
+def _label(names: Sequence[str]) -> str:
+    """One name for a copy that its holders may call differently ('embed / head')."""
+    return " / ".join(dict.fromkeys(names))
 
 
 def _names(given: Any, names: Sequence[str] | None) -> list[str]:
@@ -96,11 +110,11 @@ def _crc(a: np.ndarray) -> int:
 
 
 def _rows(per_rank: Sequence[Sequence[_Record]], p: float) -> list[Row]:
-    merged: dict[tuple[str, tuple[int, ...]], list[_Record]] = {}
+    merged: dict[tuple[tuple[int, ...], int], list[_Record]] = {}
     for records in per_rank:
         for rec in records:
-            merged.setdefault((rec.name, rec.members), []).append(rec)
-    counted = [recs[0] for recs in merged.values()]
+            merged.setdefault(rec.key, []).append(rec)
+    counted = [recs[0]._replace(name=_label([r.name for r in recs])) for recs in merged.values()]
     if math.isinf(p):
         top = max((r.power for r in counted), default=0.0)
         shares = [1.0 if r.power == top and top > 0 else 0.0 for r in counted]
@@ -194,7 +208,7 @@ def check_replicas(
     except Exception as exc:  # noqa: BLE001 - agreed below
         error = exc
     gathered = comm.allgather(
-        (None if error is None else str(error), [(r.name, r.members, r.crc) for r in mine])
+        (None if error is None else str(error), [(r.name, r.members, r.slot, r.crc) for r in mine])
     )
     _raise_agreed(gathered, error)
     problem = diverged([recs for _, recs in gathered])
@@ -202,14 +216,19 @@ def check_replicas(
         raise GclipValueError(problem)
 
 
-def diverged(per_rank: Sequence[Sequence[tuple[str, tuple[int, ...], int]]]) -> str | None:
-    """The first group whose copies differ, in one line (None: all copies agree)."""
-    seen: dict[tuple[str, tuple[int, ...]], dict[int, int]] = {}
+def diverged(per_rank: Sequence[Sequence[tuple[str, tuple[int, ...], int, int]]]) -> str | None:
+    """The first group whose copies differ, in one line (None: all copies agree).
+
+    ``per_rank[r]``: rank r's (name, group members, place in the group, checksum) per array."""
+    seen: dict[tuple[tuple[int, ...], int], dict[int, int]] = {}
+    names: dict[tuple[tuple[int, ...], int], list[str]] = {}
     for rank, records in enumerate(per_rank):
-        for name, members, crc in records:
+        for name, members, slot, crc in records:
             if len(members) > 1:
-                seen.setdefault((name, members), {})[rank] = crc
-    for (name, members), crcs in seen.items():
+                seen.setdefault((members, slot), {})[rank] = crc
+                names.setdefault((members, slot), []).append(name)
+    for (members, slot), crcs in seen.items():
+        name = _label(names[members, slot])
         kinds = list(dict.fromkeys(crcs.values()))
         if len(kinds) > 1:
             reference = crcs.get(members[0], kinds[0])

@@ -51,6 +51,8 @@ __all__ = [
     "Share",
     "Strategy",
     "UsageBug",
+    "card",
+    "exact_norm",
     "get",
 ]
 

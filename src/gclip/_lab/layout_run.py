@@ -27,7 +27,7 @@ from ..engine import HEADER_SIZE
 from ..layout import Mesh
 from . import transformer
 
-__all__ = ["RankClip", "bug_names", "clip_model", "frozen_ranks"]
+__all__ = ["RankClip", "bug_names", "clip_model", "frozen_ranks", "true_norm"]
 
 WATCHDOG_S = 2.0  # how long the ranks wait for a skipped all-reduce before they say so
 

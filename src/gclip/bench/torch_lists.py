@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..strategies import TORCH_EPS
 from .ops import Norm
 from .timing import slowest_rank_medians, time_reps
 from .workloads import DELTA, INACTIVE_FACTOR, LIST_SCALE, TORCH_LISTS, ListWorkload
@@ -61,7 +62,7 @@ def _ops(torch_ctx: Any, params: list, norm: Norm, active: bool) -> list[tuple[s
         total = total.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, limit(), total)
         if active:
-            norm.value = float(total) * min(1.0, limit() / (float(total) + 1e-6))
+            norm.value = float(total) * min(1.0, limit() / (float(total) + TORCH_EPS))
 
     return [("gclip.torch", gclip), ("torch+allreduce", reference)]
 

@@ -23,6 +23,7 @@ __all__ = [
     "GPT2_SMALL",
     "INACTIVE_FACTOR",
     "LISTS",
+    "LIST_SCALE",
     "MAX_ELEMENTS",
     "MAX_RANKS",
     "MEMORY_HEADROOM",

@@ -26,7 +26,7 @@ from ..strategies import GLOBAL, LAYOUT_BUG_NAMES, STRATEGIES
 from .options import Options
 from .text import bold, green, num, pname, red, wrap
 
-__all__ = ["render_layout", "run_layout", "to_json"]
+__all__ = ["build_report", "render_layout", "run_layout", "to_json"]
 
 
 def run_layout(opts: Options, comm: Any) -> dict | None:
