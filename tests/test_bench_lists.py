@@ -197,3 +197,25 @@ def _both_ops_clip(torch, dist) -> None:
         # gclip clips to the limit; torch to limit * norm / (norm + 1e-6), its epsilon
         want = limit if name == "gclip.torch" else limit * before / (before + TORCH_EPS)
         assert after < before and math.isclose(after, want, rel_tol=1e-6), name
+
+
+@pytest.mark.parametrize("active", [False, True])
+def test_every_list_op_runs_on_matrices_and_clips_to_the_limit(active):
+    """The floor, gclip and gclip-repro on 2-D arrays (np.dot of matrices would be a product):
+    active, each op ends at its limit (an fsum oracle); inactive, the data are untouched."""
+    from mpi4py import MPI
+
+    wl = workloads.ListWorkload("small", ((5, 3), (7,), (2, 2, 2)), "float32", 1)
+    for name in ("floor", "gclip", "gclip-repro"):
+        arrays = workloads.list_arrays(wl, 0)
+        original = [a.copy() for a in arrays]
+        before = math.sqrt(math.fsum(float(v) ** 2 for a in arrays for v in a.ravel()))
+        norm = Norm(before)
+        ops = dict(lists._ops(arrays, norm, active, None, MPI.COMM_SELF))
+        ops[name]()
+        after = math.sqrt(math.fsum(float(v) ** 2 for a in arrays for v in a.ravel()))
+        if active:
+            assert math.isclose(after, before * (1 - workloads.DELTA), rel_tol=1e-6), name
+            assert math.isclose(norm.value, after, rel_tol=1e-6), name  # the next rep's limit follows
+        else:
+            assert all(np.array_equal(a, o) for a, o in zip(arrays, original)), name

@@ -61,9 +61,10 @@ def _ops(arrays: list, norm: Norm, active: bool, torch_ctx: Any, comm: Any) -> l
         return norm.value * (1.0 - DELTA) if active else fixed
 
     local, total = np.zeros(1), np.empty(1)
+    flat = [a.reshape(-1) for a in arrays]  # views: np.dot of 2-D arrays would be a matrix product
 
     def floor() -> None:
-        local[0] = sum(float(np.dot(a, a)) for a in arrays)
+        local[0] = sum(float(np.dot(v, v)) for v in flat)
         comm.Allreduce(local, total, op=MPI.SUM)
         if active:
             for a in arrays:
