@@ -193,6 +193,36 @@ def test_every_output_excerpt_is_what_its_command_prints(out_dir):
             at = printed.index(line.rstrip(), at) + 1
 
 
+@pytest.mark.slow
+def test_the_judge_under_mpirun_advises_the_command_that_judges_the_file():
+    """A student who starts Exercise 4's judge under mpirun is refused, and the command the refusal
+    gives judges the file (the per-rank starter: FAIL, fingerprint per-rank), not a wrong call of it."""
+    with _cwd(ROOT):
+        proc = mpirun(
+            2,
+            sys.executable,
+            "-m",
+            "gclip.conformance",
+            "lab/my_clip.py:clip_shards",
+            timeout=TIMEOUT,
+            env=venv_env(),
+        )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1
+    advised = line.split("without mpirun: ")[1]
+    assert advised == "python -m gclip.conformance lab/my_clip.py:clip_shards" and advised in RUNNABLE
+    judged = subprocess.run(
+        [sys.executable, *shlex.split(advised)[1:], "--json", "--random", "20"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=venv_env(),
+        cwd=ROOT,
+    )
+    assert judged.returncode == 1 and json.loads(judged.stdout)["fingerprint"] == "per-rank"
+
+
 # ---------------------------------------------------------------------------
 # the answers
 
