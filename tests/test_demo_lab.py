@@ -176,10 +176,21 @@ def test_lab_flags_refuse_what_they_cannot_do(argv, message):
 
 
 def test_shards_for_two_ranks_on_one_suggests_ranks():
-    with pytest.raises(UsageError, match=r"mpiexec -n 2, or --ranks 2"):
+    with pytest.raises(UsageError, match=r"\(mpirun -n 2, or --ranks 2\)"):
         demo.parse_args(["--shards", "[[3, 0], [0, 4]]"], ranks=1)
     opts = demo.parse_args(["--shards", "[[3, 0], [0, 4]]", "--ranks", "2"], ranks=1)
     assert opts.simulate == 2
+
+
+def test_the_demo_says_mpirun_as_the_lab_does(capsys):
+    """The lab and the README launch with mpirun: the gallery and the usage line say the same."""
+    gallery = run_here("--list-bugs")
+    assert "mpirun -n 4 python -m gclip.demo --buggy NAME" in gallery
+    assert "mpirun -n 8 python -m gclip.demo --layout AXES --buggy NAME" in gallery
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--help"], ranks=1)
+    assert capsys.readouterr().out.startswith("usage: mpirun -n 4 python -m gclip.demo")
+    assert "mpiexec" not in gallery
 
 
 # ---------------------------------------------------------------------------

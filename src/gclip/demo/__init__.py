@@ -7,9 +7,9 @@ rank: local (each rank's sum of squares) -> all-reduce (the global norm) ->
 scale (the same factor everywhere). ``--buggy NAME`` runs a bug of the gallery
 on the same data next to the correct clip and shows what it breaks.
 
-usage:: mpiexec -n 4 python -m gclip.demo [--buggy [NAME] | --mystery K] [--shards JSON]
-                                          [--max-norm X] [--seed S] [--json [--values]]
-                                          [--plot FILE.png] [--list-bugs]
+usage:: mpirun -n 4 python -m gclip.demo [--buggy [NAME] | --mystery K] [--shards JSON]
+                                         [--max-norm X] [--seed S] [--json [--values]]
+                                         [--plot FILE.png] [--list-bugs]
          python -m gclip.demo --ranks 4 ...   (4 simulated ranks in one process, no MPI)
 
 The default data makes every bug of the gallery visible on 4 ranks: the

@@ -87,7 +87,7 @@ class Options:
 def _parser() -> ArgParser:
     names = [b.name for b in BUGS] + [b.name for b in LAYOUT_BUGS]
     p = ArgParser(
-        prog="mpiexec -n 4 python -m gclip.demo",
+        prog="mpirun -n 4 python -m gclip.demo",
         description="Clip one gradient sharded over the MPI ranks by its global norm, phase by phase.",
     )
     p.add_argument(
@@ -222,7 +222,7 @@ def parse_data(
         if ranks is not None and len(data) != ranks:
             raise UsageError(
                 f"--shards has {len(data)} shard{'s' * (len(data) != 1)} for {ranks} "
-                f"rank{'s' * (ranks != 1)}: give one list per rank (mpiexec -n {len(data)}, "
+                f"rank{'s' * (ranks != 1)}: give one list per rank (mpirun -n {len(data)}, "
                 f"or --ranks {len(data)})"
             )
         values = [_numbers(s, f"--shards[{i}]") for i, s in enumerate(data)]
