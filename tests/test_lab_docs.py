@@ -445,6 +445,13 @@ def check_4b(a, out):
     failures = _judge("lab/my_clip.py", out)["failures"]
     assert any(f["shards"] == [[3, 0], [0, 4]] and f["limit"] == 2 for f in failures)
     assert not any(len(f["shards"]) == 1 for f in failures)  # one shard's norm is the global norm
+    clip = _lab_function("lab/my_clip.py")
+    for n in range(1, 6):  # the contract's single-shard check, by hand: [3n, 4n] has norm 5n, limit 3n
+        assert clip([[3 * n, 4 * n]], 3 * n) == [[round(1.8 * n, 12), round(2.4 * n, 12)]]
+    text = out("python -m gclip.conformance lab/my_clip.py:clip_shards")  # what the student reads
+    assert re.search(r"^    norm spans two shards +5 run +5 failed$", text, flags=re.M)
+    assert re.search(r"^    single shard same global rule +5 run +0 failed$", text, flags=re.M)
+    assert "5 failed of 5" in a and "0 failed of 5" in a
 
 
 def check_4c(a, out):
