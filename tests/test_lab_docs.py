@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gclip
 import train_replay
 from conftest import ROOT, OneRankComm, mpirun, venv_env
 from gclip import demo
@@ -387,13 +388,11 @@ def _local(seed: int) -> list[float]:
 
 
 def check_3a(a, out):
-    k = 8
-    assert (SEED % 10) + 1 == k
-    assert demo.MYSTERIES[k - 1] == "rms" and a.startswith("rms")
+    assert demo.mysteries(SEED)[0] == "rms" and a.startswith("rms")
     g = true_norm(SEED)
     assert has(a, g / math.sqrt(4002), digits=6) and has(a, g, digits=6) and "sqrt(4002)" in a
     assert f"{g / math.sqrt(4002):.6g} ->" in out(
-        f"mpirun -n 4 python -m gclip.demo --seed {SEED} --mystery 8"
+        f"mpirun -n 4 python -m gclip.demo --seed {SEED} --mystery 1"
     )
     assert f"{g / math.sqrt(4002):.6g} ->" in out(
         f"mpirun -n 4 python -m gclip.demo --seed {SEED} --buggy rms"
@@ -401,12 +400,10 @@ def check_3a(a, out):
 
 
 def check_3b(a, out):
-    k = 3
-    assert ((SEED + 5) % 10) + 1 == k
-    assert demo.MYSTERIES[k - 1] == "double-count" and a.startswith("double-count")
+    assert demo.mysteries(SEED)[1] == "double-count" and a.startswith("double-count")
     used = math.sqrt(true_norm(SEED) ** 2 + 3 * 2500)
     assert has(a, used, digits=6)
-    for cmd in (f"--mystery {k}", "--buggy double-count"):
+    for cmd in ("--mystery 2", "--buggy double-count"):
         assert f"{used:.6g} ->" in out(f"mpirun -n 4 python -m gclip.demo --seed {SEED} {cmd}")
 
 
@@ -658,8 +655,55 @@ def _same_answer_lines(real: str, sim: str) -> bool:
 
 def test_the_key_names_every_mystery():
     rows = mystery_rows()
-    assert sorted(rows) == list(range(1, 11))
-    assert [rows[k][0] for k in range(1, 11)] == list(demo.MYSTERIES)
+    assert sorted(rows) == list(range(1, 10))
+    assert [rows[k][0] for k in range(1, 10)] == list(demo.mysteries(SEED))
+    assert sorted(demo.MYSTERY_POOL) == sorted(b.name for b in gclip.BUGS if b.name != "inf-pow")
+
+
+def grading_pairs() -> dict[int, tuple[str, str]]:
+    cells = re.findall(r"\| (\d+) \| ([a-z0-9-]+), ([a-z0-9-]+) (?=\|)", KEY.read_text())
+    return {int(seed): (a, b) for seed, a, b in cells}
+
+
+def test_the_keys_grading_table_is_every_seeds_pair():
+    """The key's seed -> (mystery 1, mystery 2) table is what the demo runs, for a class of 40; and
+    the guide's promises about it hold: 36 different pairs for seeds 1..36, no bug shared by
+    consecutive seeds."""
+    pairs = grading_pairs()
+    assert sorted(pairs) == list(range(1, 41))
+    for seed, pair in pairs.items():
+        assert demo.mysteries(seed)[:2] == pair, seed
+        for k, name in enumerate(pair, start=1):  # and the hidden run is that bug's, number for number
+            hidden = demo_json("--ranks", "4", "--seed", str(seed), "--mystery", str(k))
+            named = demo_json("--ranks", "4", "--seed", str(seed), "--buggy", name)
+            assert hidden["norms_used"] == named["norms_used"] and hidden["scales"] == named["scales"]
+    assert len({frozenset(pairs[s]) for s in range(1, 37)}) == 36
+    assert all(not set(pairs[s]) & set(pairs[s + 1]) for s in range(1, 40))
+    guide = flat(LAB.read_text())
+    assert "seeds 1 to 36 each a different pair of bugs" in guide and "never share a bug" in guide
+
+
+def test_the_direction_rule_of_the_key_is_what_each_mystery_does():
+    """Every mystery keeps the direction (cosine 1) but per-rank (below 1) and fp16-sumsq (a zero
+    step: no direction, the cosine undefined), as the guide's Discuss and the key say."""
+    for name in demo.MYSTERY_POOL:
+        cos = demo_json("--ranks", "4", "--seed", str(SEED), "--buggy", name)["cosine"]
+        if name == "per-rank":
+            assert cos < 0.999
+        elif name == "fp16-sumsq":
+            assert cos is None
+            assert demo.mysteries(SEED)[2] == "fp16-sumsq"
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                demo_command._main(["--ranks", "4", "--seed", str(SEED), "--mystery", "3"], OneRankComm())
+            text = buf.getvalue()
+            assert re.search(r"cosine with the original +1\.000000 +undefined", text)
+        else:
+            assert cos == pytest.approx(1.0, abs=1e-12), name
+    key, guide = flat(KEY.read_text()), flat(LAB.read_text())
+    assert "fp16-sumsq (a scale of 0 on every rank: no step at all, so no direction;" in key
+    assert 'the demo prints the cosine as "undefined")' in key
+    assert "fp16-sumsq leaves none" in guide and "every bug but per-rank" not in guide
 
 
 def test_the_keys_seed_7_numbers_are_what_each_mystery_uses():
@@ -676,7 +720,6 @@ def test_the_keys_seed_7_numbers_are_what_each_mystery_uses():
         "max-of-norms": [max(local)],
         "rms": [g / math.sqrt(4002)],
         "epsilon": [g],
-        "inf-pow": [1.0],
     }
     assert max(n * n for n in seed_norms(SEED)) > 65504
     for k, (name, value) in mystery_rows().items():

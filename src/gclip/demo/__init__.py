@@ -18,15 +18,18 @@ norms all differ), the largest shard's sum of squares overflows float16,
 every value is far above the default limit 1 (so the inf-norm bug shows too),
 and the replicated bias (norm 50) is counted once. ``--seed 0`` gives the
 tutorial's norms (100, 400, 50, 200); every other seed its own whole-number
-norms, so each student of a lab gets their own numbers.
+norms, so each student of a lab gets their own numbers (any 67 consecutive
+seeds have different global norms).
 
 ``--ranks R`` runs R simulated ranks in this one process with
 ``gclip.clip_simulated`` (the same engine; the all-reduce is a sum over a
 list) and says so; under mpirun with several ranks it is refused. On one real
 rank without ``--ranks`` the report says how to start more. ``--mystery K``
-runs bug number K of a fixed list (``options.MYSTERIES``, the lab's answer
-key) under the name "mystery K": its name, summary and incident are kept out
-of the text and the JSON.
+runs the K-th bug of the seed's own order of the mystery pool
+(``options.mysteries``) under the name "mystery K": its name, summary and
+incident are kept out of the text and the JSON. Mysteries 1 and 2 are the
+seed's pair of distinct bugs: any 36 consecutive seeds get 36 different pairs,
+consecutive seeds pairs with no bug in common.
 
 ``--json`` prints one JSON object on one line (rank 0). Non-finite floats are
 written as the strings "inf", "-inf" and "nan" (strict JSON has no such
@@ -44,13 +47,14 @@ report), ``text`` (the learner's report), ``gallery`` (``--list-bugs``),
 
 from .command import main
 from .figure import sweep
-from .options import MYSTERIES, Options, parse_args, parse_data
+from .options import MYSTERY_POOL, Options, mysteries, parse_args, parse_data
 from .ranks import random_shard, run, run_simulated, shard_norm
 
 __all__ = [
-    "MYSTERIES",
+    "MYSTERY_POOL",
     "Options",
     "main",
+    "mysteries",
     "parse_args",
     "parse_data",
     "random_shard",
