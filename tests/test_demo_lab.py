@@ -307,6 +307,9 @@ def test_json_leaves_the_values_out_unless_asked():
     assert len(out) < 4000  # not 4000 values on one line
     parsed = json.loads(out)
     assert "clipped" not in parsed and "clipped_replicated" not in parsed
+    # the counts of values per rank (the shards, not the bias), named as counts, apart from the values
+    assert parsed["values_per_rank"] == [1000] * 4 and "values" not in parsed
+    assert json_here("--ranks", "2", "--shards", "[[3, 0], [0, 4, 5]]")["values_per_rank"] == [2, 3]
     full = json_here("--ranks", "4", "--values")
     assert [len(s) for s in full["clipped"]] == [1000] * 4
     assert len(full["clipped_replicated"]) == 4

@@ -37,8 +37,9 @@ numbers; Python's ``float()`` reads them back). ``true_global_norm`` is the
 norm of the input; ``norms_used`` and ``scales`` what each rank used (a bug's
 run has no ``global_norm`` of its own: under most bugs rank 0's number is not
 a global norm); ``same_on_all_ranks`` says whether every rank used the same,
-and ``per_rank`` lists them all. The clipped values themselves
-(``clipped``, ``clipped_replicated``) only with ``--values``.
+and ``per_rank`` lists them all. ``values_per_rank`` counts each rank's
+shard values (the bias apart). The clipped values themselves (``clipped``,
+``clipped_replicated``) only with ``--values``.
 
 The parts: ``options`` (flags), ``ranks`` (the data, the clip on the ranks, the
 report), ``text`` (the learner's report), ``gallery`` (``--list-bugs``),

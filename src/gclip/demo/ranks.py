@@ -197,7 +197,7 @@ def build_report(opts: Options, gathered: list[dict]) -> dict:
         "norm_type": p,
         "reproducible": opts.reproducible,
         "data": _data_info(opts, len(gathered)),
-        "values": [int(g["grads"][0].size) for g in gathered],
+        "values_per_rank": [int(g["grads"][0].size) for g in gathered],  # counts: the shards, not the bias
         "replicated": list(opts.replicated),
         "input_norm": vector_norm(original, p),
     }
