@@ -683,6 +683,24 @@ def test_the_keys_grading_table_is_every_seeds_pair():
     assert "seeds 1 to 36 each a different pair of bugs" in guide and "never share a bug" in guide
 
 
+def test_the_guide_says_which_bugs_list_bugs_places_in_a_real_system():
+    """--list-bugs gives a real system for every mystery bug but two, which it calls teaching
+    examples: the guide names those two and claims no more."""
+    gallery = json.loads(output("python -m gclip.demo --list-bugs --json", None))
+    mysteries = [d for d in gallery if d["name"] in demo.MYSTERY_POOL]
+    assert len(mysteries) == len(demo.MYSTERY_POOL)
+    teaching = sorted(d["name"] for d in mysteries if not d.get("incident"))
+    assert teaching == ["max-of-norms", "rank0-norm"]
+    listed = output("python -m gclip.demo --list-bugs", None)
+    assert listed.count("a teaching example") >= 2
+    guide = flat(LAB.read_text())
+    assert (
+        '"a teaching example" for the two with no public incident confirmed (rank0-norm and max-of-norms)'
+        in guide
+    )
+    assert "Each bug happened in a real system" not in guide
+
+
 def test_the_direction_rule_of_the_key_is_what_each_mystery_does():
     """Every mystery keeps the direction (cosine 1) but per-rank (below 1) and fp16-sumsq (a zero
     step: no direction, the cosine undefined), as the guide's Discuss and the key say."""
