@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import re
@@ -23,7 +24,7 @@ import gclip
 from conftest import OneRankComm, mpirun, venv_env
 from gclip import demo
 from gclip._lab.cli import UsageError
-from gclip.demo import command
+from gclip.demo import command, options
 from gclip.demo.figure import norms_panel
 
 BIAS = np.array([30.0, -40.0])  # the demo's replicated tensor, norm 50
@@ -164,8 +165,8 @@ def test_no_hint_on_several_real_ranks():
         (["--ranks", "65"], "--ranks must be between 1 and 64"),
         (["--ranks", "2", "--layout", "dp=2"], "--layout needs real ranks"),
         (["--ranks", "3", "--shards", "[[1], [2]]"], "2 shards for 3 ranks"),
-        (["--mystery", "0"], "from 1 to 10"),
-        (["--mystery", "11"], "from 1 to 10"),
+        (["--mystery", "0"], "from 1 to 9"),
+        (["--mystery", "10"], "from 1 to 9"),
         (["--mystery", "2", "--buggy"], "drop --buggy"),
         (["--values"], "--values goes with --json"),
     ],
@@ -176,10 +177,21 @@ def test_lab_flags_refuse_what_they_cannot_do(argv, message):
 
 
 def test_shards_for_two_ranks_on_one_suggests_ranks():
-    with pytest.raises(UsageError, match=r"mpiexec -n 2, or --ranks 2"):
+    with pytest.raises(UsageError, match=r"\(mpirun -n 2, or --ranks 2\)"):
         demo.parse_args(["--shards", "[[3, 0], [0, 4]]"], ranks=1)
     opts = demo.parse_args(["--shards", "[[3, 0], [0, 4]]", "--ranks", "2"], ranks=1)
     assert opts.simulate == 2
+
+
+def test_the_demo_says_mpirun_as_the_lab_does(capsys):
+    """The lab and the README launch with mpirun: the gallery and the usage line say the same."""
+    gallery = run_here("--list-bugs")
+    assert "mpirun -n 4 python -m gclip.demo --buggy NAME" in gallery
+    assert "mpirun -n 8 python -m gclip.demo --layout AXES --buggy NAME" in gallery
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--help"], ranks=1)
+    assert capsys.readouterr().out.startswith("usage: mpirun -n 4 python -m gclip.demo")
+    assert "mpiexec" not in gallery
 
 
 # ---------------------------------------------------------------------------
@@ -191,9 +203,9 @@ def _giveaways(name: str) -> list[str]:
     return [name, bug.summary, bug.explanation] + ([bug.incident] if bug.incident else [])
 
 
-@pytest.mark.parametrize("k", range(1, 11))
+@pytest.mark.parametrize("k", range(1, 10))
 def test_mystery_runs_its_bug_without_naming_it(k):
-    name = demo.MYSTERIES[k - 1]
+    name = demo.mysteries(0)[k - 1]
     hidden = json_here("--ranks", "4", "--mystery", str(k))
     named = json_here("--ranks", "4", "--buggy", name)
     assert hidden["mode"] == f"mystery-{k}" and hidden["mystery"] == k
@@ -207,9 +219,53 @@ def test_mystery_runs_its_bug_without_naming_it(k):
             assert not re.search(rf"(?<![\w-]){re.escape(words)}(?![\w-])", output), (k, words)
 
 
-def test_mysteries_are_the_gallery_in_another_order():
-    assert sorted(demo.MYSTERIES) == sorted(b.name for b in gclip.BUGS)
-    assert list(demo.MYSTERIES) != [b.name for b in gclip.BUGS]  # --list-bugs gives nothing away
+def test_the_mystery_pool_is_the_gallery_but_the_inf_norm_bug():
+    """inf-pow shows only on the inf-norm, and a run on the inf-norm says so (its header, table 1's
+    max |x|): it would name itself, so it is no mystery (it stays in the gallery, --buggy inf-pow)."""
+    assert sorted(demo.MYSTERY_POOL) == sorted(b.name for b in gclip.BUGS if b.name != "inf-pow")
+    assert "inf norm" in run_here("--ranks", "4", "--buggy", "inf-pow")
+    for seed in (0, 7, 8, 40):
+        assert sorted(demo.mysteries(seed)) == sorted(demo.MYSTERY_POOL)  # each seed: the pool, in its order
+        for k in range(1, 10):
+            text = run_here("--ranks", "4", "--seed", str(seed), "--mystery", str(k))
+            assert "inf norm" not in text and "max |x|" not in text and "sum of squares" in text
+
+
+def test_every_pair_of_distinct_bugs_is_a_mystery_pair_once():
+    pairs = options.MYSTERY_PAIRS
+    assert {frozenset(p) for p in pairs} == {
+        frozenset(p) for p in itertools.combinations(demo.MYSTERY_POOL, 2)
+    }
+    assert len(pairs) == math.comb(9, 2) == 36
+
+
+def test_a_class_of_40_sees_40_different_mysteries():
+    """Seeds 0..40 (the tutorial's and a class of 40): no two give the same mystery pair with the same
+    numbers; no two of seeds 1..36 the same pair; consecutive seeds (students side by side) no bug in
+    common; and every seed its own global norm, so no table can be copied from another seed."""
+    seen = {}
+    for seed in range(41):
+        pair = demo.mysteries(seed)[:2]
+        assert pair[0] != pair[1]
+        norms = tuple(round(n, 6) for n in _norms(seed))
+        key = (frozenset(pair), tuple(sorted(norms)))
+        assert key not in seen, (seed, seen.get(key))
+        seen[key] = seed
+        assert not set(pair) & set(demo.mysteries(seed + 1)[:2]), seed
+    for start in (1, 5, 1000, 10**9):  # any 36 consecutive seeds: 36 different pairs
+        assert len({frozenset(demo.mysteries(s)[:2]) for s in range(start, start + 36)}) == 36
+    globals_ = [round(math.sqrt(math.fsum(n * n for n in _norms(s)) + 2500), 6) for s in range(41)]
+    assert len(set(globals_)) == 41
+    largest = [max(_norms(s)) for s in range(1, 68)]  # any 67 consecutive seeds: their own largest norm
+    assert len({round(x, 6) for x in largest}) == 67
+
+
+def test_the_worked_examples_keep_their_mysteries_and_numbers():
+    """The lab's documents work seed 7 (mysteries rms and double-count, norms 140, 280, 35, 70) and
+    the tutorial seed 0 (100, 400, 50, 200)."""
+    assert demo.mysteries(7)[:2] == ("rms", "double-count")
+    assert _norms(7) == pytest.approx([140.0, 280.0, 35.0, 70.0], rel=1e-12)
+    assert _norms(0) == pytest.approx([100.0, 400.0, 50.0, 200.0], rel=1e-12)
 
 
 def test_mystery_evidence_is_enough_to_tell_the_bugs_apart():
@@ -224,9 +280,8 @@ def test_mystery_evidence_is_enough_to_tell_the_bugs_apart():
         "max-of-norms": 400.0,
         "rms": g / math.sqrt(4002),
         "epsilon": g,
-        "inf-pow": 1.0,
     }
-    for k, name in enumerate(demo.MYSTERIES, start=1):
+    for k, name in enumerate(demo.mysteries(0), start=1):
         out = json_here("--ranks", "4", "--mystery", str(k))
         used = out["norms_used"]
         if name == "per-rank":
@@ -236,10 +291,10 @@ def test_mystery_evidence_is_enough_to_tell_the_bugs_apart():
             assert used == ["inf"] * 4 and out["clipped_norm"] == 0.0
         else:
             assert used == pytest.approx([want[name]] * 4, rel=1e-12), name
-    eps = json_here("--ranks", "4", "--mystery", str(demo.MYSTERIES.index("epsilon") + 1))
+    eps = json_here("--ranks", "4", "--mystery", str(demo.mysteries(0).index("epsilon") + 1))
     assert eps["scales"][0] == pytest.approx(1 / (g + 1e-6), rel=1e-12)
     assert eps["scales"][0] < eps["correct"]["scale"]
-    text = run_here("--ranks", "4", "--mystery", str(demo.MYSTERIES.index("epsilon") + 1))
+    text = run_here("--ranks", "4", "--mystery", str(demo.mysteries(0).index("epsilon") + 1))
     assert f"-> {1 / g:.12g}" in text and f"-> {1 / (g + 1e-6):.12g}" in text  # 12 digits: they differ
 
 
@@ -252,6 +307,9 @@ def test_json_leaves_the_values_out_unless_asked():
     assert len(out) < 4000  # not 4000 values on one line
     parsed = json.loads(out)
     assert "clipped" not in parsed and "clipped_replicated" not in parsed
+    # the counts of values per rank (the shards, not the bias), named as counts, apart from the values
+    assert parsed["values_per_rank"] == [1000] * 4 and "values" not in parsed
+    assert json_here("--ranks", "2", "--shards", "[[3, 0], [0, 4, 5]]")["values_per_rank"] == [2, 3]
     full = json_here("--ranks", "4", "--values")
     assert [len(s) for s in full["clipped"]] == [1000] * 4
     assert len(full["clipped_replicated"]) == 4

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from gclip.conformance import hangs, implied
 from gclip.conformance.layout_cases import frozen_ranks, make_layout_cases, parse_layout, simulate
 from gclip.conformance.outcome import decode, encode, returned_arrays
@@ -262,3 +263,49 @@ def test_bad_layouts_are_refused(text):
 
     with pytest.raises(GclipError):
         parse_layout(text)
+
+
+# ---------------------------------------------------------------------------
+# started under mpirun: the judge refuses, and its advice is the command that judges the function
+
+
+def _refusal(monkeypatch, *argv: str) -> str:
+    from gclip._lab.cli import UsageError
+    from gclip.conformance import command
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PMI_SIZE", "3")  # what mpirun -n 3 (Hydra) tells each process
+    with pytest.raises(UsageError) as info:
+        command._main(list(argv))
+    message = str(info.value)
+    assert message.startswith("started as one of 3 processes (PMI_SIZE=3)") and "\n" not in message
+    return message
+
+
+def test_under_mpirun_a_shards_function_is_sent_to_one_process(monkeypatch):
+    # lab/my_clip.py defines clip_shards(shards, limit): judged without --ranks
+    message = _refusal(monkeypatch, "lab/my_clip.py:clip_shards")
+    assert message.endswith("without mpirun: python -m gclip.conformance lab/my_clip.py:clip_shards")
+    assert "--ranks" not in message
+    message = _refusal(monkeypatch, "lab/mystery_b.py:clip_shards", "--random", "5")
+    assert message.endswith("python -m gclip.conformance lab/mystery_b.py:clip_shards --random 5")
+
+
+def test_under_mpirun_a_comm_function_is_sent_to_ranks_of_mpiruns_size(monkeypatch):
+    # lab/distributed/my_clip.py defines clip(grads, max_norm, comm): judged with --ranks
+    message = _refusal(monkeypatch, "lab/distributed/my_clip.py:clip")
+    assert message.endswith("python -m gclip.conformance lab/distributed/my_clip.py:clip --ranks 3")
+
+
+def test_under_mpirun_the_users_ranks_are_kept(monkeypatch):
+    message = _refusal(monkeypatch, "lab/distributed/my_clip.py:clip", "--ranks", "4")
+    assert message.endswith("python -m gclip.conformance lab/distributed/my_clip.py:clip --ranks 4")
+    assert "--ranks 3" not in message
+
+
+def test_under_mpirun_an_unknown_signature_gets_both_forms(monkeypatch, tmp_path):
+    path = tmp_path / "f.py"
+    path.write_text("def clip(*args):\n    return args[0]\n")
+    message = _refusal(monkeypatch, f"{path}:clip")
+    assert f"python -m gclip.conformance {path}:clip for a (shards, limit) function" in message
+    assert f"python -m gclip.conformance {path}:clip --ranks 3 for a distributed" in message

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import ROOT, venv_env
 from gclip._lab import cli, jsonout, mpirun, vectors
 
 # ---------------------------------------------------------------------------
@@ -82,6 +83,76 @@ def test_entry_exit_codes_and_one_line(kind, what, code, line):
     )
     assert proc.returncode == code, proc.stderr
     assert proc.stderr.splitlines() == ([line] if line else []), proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# no MPI on the machine: a stub mpi4py that cannot be imported, first on the path
+
+NO_MPI = "libmpi.so.12: cannot open shared object file"
+
+
+@pytest.fixture
+def no_mpi(tmp_path) -> dict:
+    """The environment of a machine where mpi4py cannot be loaded (e.g. Windows without MPI)."""
+    stub = tmp_path / "stub" / "mpi4py"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(f"raise ImportError({NO_MPI!r})\n")
+    env = venv_env()
+    env["PYTHONPATH"] = str(stub.parent) + os.pathsep + env["PYTHONPATH"]
+    env["NO_COLOR"] = "1"
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
+        env.pop(var, None)
+    return env
+
+
+def _run(env: dict, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
+
+
+def test_the_stub_hides_mpi(no_mpi):
+    proc = _run(no_mpi, "-c", "from mpi4py import MPI")
+    assert proc.returncode == 1 and NO_MPI in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,shows",
+    [
+        (["gclip.demo", "--ranks", "4", "--seed", "7", "--buggy"], "simulated in this one process"),
+        (["gclip.demo", "--ranks", "2", "--mystery", "3", "--json"], '"mystery":3'),
+        (["gclip.demo", "--help"], "--ranks R"),
+        (["gclip.demo", "--list-bugs"], "gclip bug gallery"),
+        (["gclip.train", "--ranks", "2", "--steps", "3", "--buggy"], "final loss"),
+        (["gclip.train", "--help"], "--ranks R"),
+    ],
+)
+def test_simulated_ranks_help_and_the_gallery_need_no_mpi(no_mpi, argv, shows):
+    proc = _run(no_mpi, "-m", *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert shows in proc.stdout and proc.stderr == ""
+
+
+@pytest.mark.parametrize("prog", ["gclip.demo", "gclip.train"])
+def test_real_ranks_without_mpi_say_so_in_one_line(no_mpi, prog):
+    proc = _run(no_mpi, "-m", prog)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{prog}: error: MPI cannot be loaded") and NO_MPI in lines[0]
+    assert f"python -m {prog} ... --ranks 4" in lines[0]
+
+
+def test_the_single_process_judge_needs_no_mpi(no_mpi):
+    proc = _run(no_mpi, "-m", "gclip.conformance", "lab/my_clip.py:clip_shards", "--random", "5")
+    assert proc.returncode == 1 and proc.stderr == ""  # 1: the starter file fails, as it should
+    assert "fingerprint: per-rank" in proc.stdout
+
+
+def test_a_fault_without_mpi_is_one_line(no_mpi):
+    proc = _run(no_mpi, "-c", ENTRY, "mpi", "fault")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == ["prog: rank 0 of 1: RuntimeError: broken thing; aborting the job"]
 
 
 # ---------------------------------------------------------------------------

@@ -51,8 +51,8 @@ def test_reproducible_losses_are_bitwise_equal_across_rank_counts(n):
 def test_clipping_is_active_on_many_steps_but_not_all():
     out = run_json(2, "--reproducible")
     assert out["mode"] == "global"
-    assert 0 < out["clipped_steps"] < STEPS
-    assert out["clipped_steps"] >= 5
+    assert 0 < out["steps_any_rank_scaled_down"] < STEPS
+    assert out["steps_any_rank_scaled_down"] >= 5
     norms = [n[0] for n in out["norms_used"]]
     assert all(len(set(n)) == 1 for n in out["norms_used"])  # one global norm, used by every rank
     assert norms == pytest.approx(out["true_global_norms"], rel=1e-12)
@@ -60,7 +60,7 @@ def test_clipping_is_active_on_many_steps_but_not_all():
     applied = out["update_norms"]
     assert applied[0] == pytest.approx(0.1, rel=1e-12)  # ...down to max_norm exactly
     assert max(applied) <= 0.1 * (1 + 1e-12)  # and never lets more through
-    assert sum(g > 0.1 for g in norms) == out["clipped_steps"]
+    assert sum(g > 0.1 for g in norms) == out["steps_any_rank_scaled_down"]
     assert out["steps_above_limit"] == 0
     assert out["ranks_scaled"] == [2 if g > 0.1 else 0 for g in norms]  # both ranks or none
 

@@ -62,9 +62,10 @@ def test_json_names_every_norm_for_what_it_is(mode):
     assert out["ranks_scaled"] == want["scaled"]
     above = sum(u > LIMIT * (1 + 1e-9) for u in want["update"])
     assert out["steps_above_limit"] == above
-    assert out["clipped_steps"] == sum(k > 0 for k in want["scaled"])
+    assert out["steps_any_rank_scaled_down"] == sum(k > 0 for k in want["scaled"])
     assert out["steps_scaled_on_every_rank"] == sum(k == 4 for k in want["scaled"])
     assert "grad_norms" not in out  # the old name that hid rank 0's local norm
+    assert "clipped_steps" not in out  # the old name, read as "steps the clip limited", which it is not
     if mode == "per-rank":
         assert out["same_norm_on_all_ranks"] is False
         # step 0: the same gradient, the true norm 1.305 beside rank 0's own 0.2261

@@ -1,9 +1,9 @@
-"""The seed contract, single process: ``clip_shards(shards, limit)``.
+"""The contract of the original incident report, single process: ``clip_shards(shards, limit)``.
 
 Given disjoint gradient shards and a non-negative limit, return the same shard
 layout scaled by ``min(1, limit / global_L2_norm)``; a zero norm uses scale 1;
-values are rounded to 12 decimals. The seed record's seven checks, for any N,
-are :func:`seed_checks`.
+values are rounded to 12 decimals. The original incident report's seven checks,
+for any N (each check's numbers times N), are :func:`seed_checks`.
 
 ``clip_shards`` runs the library's own global strategy on simulated ranks (one
 per shard) in the reproducible mode, so it gives the very bits a real
@@ -35,8 +35,8 @@ class Check(NamedTuple):
 
 
 def seed_checks(n: int) -> list[Check]:
-    """The seed record's seven checks for a given N (the record uses N = 1..5)."""
-    r = lambda x: round(x, DIGITS)  # noqa: E731 - as the record writes it
+    """The original incident report's seven checks for a given N (the report uses N = 1..5)."""
+    r = lambda x: round(x, DIGITS)  # noqa: E731 - as the report writes it
     return [
         Check("norm spans two shards", [[3 * n, 0], [0, 4 * n]], 2 * n, [[r(1.2 * n), 0], [0, r(1.6 * n)]]),
         Check("uneven shard widths", [[3 * n], [4 * n, 0]], 2 * n, [[r(1.2 * n)], [r(1.6 * n), 0]]),

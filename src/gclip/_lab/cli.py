@@ -11,6 +11,10 @@
   with one line instead of a traceback. A single process whose exit 1 means
   something else (the judge: "fails") maps its own faults to exit 3 instead
   (``internal_error``).
+- MPI is loaded only when real ranks are needed: ``--help``, ``--list-bugs``
+  and ``--ranks R`` (simulated ranks) work where mpi4py cannot be imported
+  (no MPI library on the machine); a run that needs MPI there says so in one
+  line (``mpi_world``) and suggests ``--ranks R``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "entry",
     "in_range",
     "internal_error",
+    "mpi_world",
     "parse_max_norm",
     "rank_size",
     "say",
@@ -133,11 +138,30 @@ def abort_job(prog: str, exc: BaseException) -> NoReturn:
     code = INTERRUPTED if interrupted else 1
     rank, size = rank_size()
     print(f"{prog}: rank {rank} of {size}: {message}; aborting the job", file=sys.stderr, flush=True)
-    from mpi4py import MPI
-
-    if size > 1 and MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Abort(code)  # ends every rank of the job, wherever it waits
+    mpi = sys.modules.get("mpi4py.MPI")  # never imported here: the fault may be that it cannot be
+    if size > 1 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(code)  # ends every rank of the job, wherever it waits
     sys.exit(code)
+
+
+SIMULATED_HINT = 4  # the rank count the no-MPI error suggests
+
+
+def mpi_world(prog: str) -> Any:
+    """MPI's COMM_WORLD, or a one-line UsageError when MPI cannot be loaded.
+
+    mpi4py (and the MPI library under it) is imported here, only when real
+    ranks are needed. Where it cannot be (no MPI library, as on Windows
+    without MPI), the error says what failed and how to run without MPI.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise UsageError(
+            f"MPI cannot be loaded ({exception_line(exc)}); without MPI, simulate the ranks in this "
+            f"one process: python -m {prog} ... --ranks {SIMULATED_HINT}"
+        ) from None
+    return MPI.COMM_WORLD
 
 
 def internal_error(prog: str, exc: BaseException) -> int:

@@ -1,6 +1,6 @@
 """Benchmark: the clip step against its floor, and against torch.distributed.
 
-usage:: mpiexec -n 2 python -m gclip.bench [--sizes 1e3,1e4,1e5,1e6,1e7] [--dtypes float64,float32]
+usage:: mpirun -n 2 python -m gclip.bench [--sizes 1e3,1e4,1e5,1e6,1e7] [--dtypes float64,float32]
         [--repeat K] [--threads N] [--json [FILE]] [--plot FILE.png] [--no-torch] [--cold] [--quick]
 usage:: python -m gclip.bench --ranks-sweep [--ranks 1,2,4] [--sizes ...] [--json FILE] [--plot FILE.png]
 

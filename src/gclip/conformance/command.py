@@ -14,8 +14,11 @@ refuses, in one line, before doing anything: it starts its own job.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import math
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -89,15 +92,64 @@ def _parser() -> ArgParser:
     return p
 
 
-def _refuse_launcher() -> None:
-    """Under mpirun every rank would judge and print: the judge starts its own job instead."""
+def _refuse_launcher(args: Any, argv: Sequence[str] | None) -> None:
+    """Under mpirun every rank would judge and print: the judge is one process (it launches its
+    own MPI job when it needs one). The advice is the user's own command without mpirun, with
+    ``--ranks N`` (N: mpirun's size) added only for a function that takes a communicator."""
     launched = _validate.launched_size()
-    if launched is not None:
-        n, why = launched
+    if launched is None:
+        return
+    n, why = launched
+    words = list(sys.argv[1:] if argv is None else argv)
+    own = f"python -m {PROG} {shlex.join(words)}"
+    first = f"started as one of {n} processes ({why}): the judge launches its own MPI job when it needs one"
+    if args.ranks is not None or args.torch or args.layout is not None:
+        raise UsageError(f"{first}; run it as one process, without mpirun: {own}")
+    dist = f"{own} --ranks {max(n, 2)}"
+    kind = _signature_kind(args.target)
+    if kind == "single":
         raise UsageError(
-            f"started as one of {n} processes ({why}): the judge launches its own MPI job; "
-            f"run it as one process: python -m gclip.conformance TARGET --ranks {max(n, 2)}"
+            f"{first}; a (shards, limit) function is judged in one process, without mpirun: {own}"
         )
+    if kind == "distributed":
+        raise UsageError(
+            f"{first}; a (grads, max_norm, comm) function is judged on ranks the judge starts, "
+            f"without mpirun: {dist}"
+        )
+    raise UsageError(
+        f"{first}; run it as one process, without mpirun: {own} for a (shards, limit) function, "
+        f"or {dist} for a distributed (grads, max_norm, comm) one"
+    )
+
+
+def _signature_kind(spec: str) -> str | None:
+    """The kind of the target's function: "single" for two positional parameters (shards, limit),
+    "distributed" for three or more (grads, max_norm, comm), None when unknown. Read from the source
+    (never run: under mpirun every rank would run it), for a function defined at the top level
+    of the file or module."""
+    try:
+        target = parse_target(spec)
+        path = target.where
+        if target.kind == "module":
+            found = importlib.util.find_spec(target.where)
+            path = found.origin if found is not None and found.origin else ""
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (UsageError, ImportError, ValueError, OSError, SyntaxError):
+        return None
+    defs = [
+        node
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == target.func
+    ]
+    if len(defs) != 1 or defs[0].args.vararg is not None:
+        return None
+    params = [a.arg for a in defs[0].args.posonlyargs + defs[0].args.args]
+    if len(params) == 2:
+        return "single"
+    if len(params) >= 3:
+        return "distributed"
+    return None
 
 
 def _distributed(args: Any) -> tuple[bool, str]:
@@ -137,7 +189,7 @@ def _distributed(args: Any) -> tuple[bool, str]:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
-    _refuse_launcher()
+    _refuse_launcher(args, argv)
     if args.random is None:
         args.random = DEFAULT_RANDOM_LAYOUT if args.layout is not None else DEFAULT_RANDOM
     if args.ranks is not None or args.torch or args.layout is not None:

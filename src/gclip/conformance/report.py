@@ -80,14 +80,27 @@ def first_failures(shown: int, failed: int) -> str:
 NO_BUG_HINT = "it fails like no bug of the gallery: see the scales below"
 
 
-def head(first: str, notes: list[str], groups: list[tuple[str, str]], v: Any, shown: int) -> list[str]:
+def head(
+    first: str, notes: list[str], groups: list[tuple[str, str]], v: Any, shown: int, split: str | None = None
+) -> list[str]:
     """What both judges print first: the groups of cases, the verdict and the fingerprint
-    (and, on a failure, the line that introduces the failures)."""
+    (and, on a failure, the line that introduces the failures).
+
+    The group whose prefix is ``split``, when some of its cases failed, is broken down by
+    check (the label after ": ", over every N): which checks pass is then readable, though
+    only the first failures are printed in full."""
     lines = [first, *(f"  note: {n}" for n in notes)]
     for title, prefix in groups:
         run = [i for i, c in enumerate(v.cases) if c.label.startswith(prefix)]
         bad = sum(i in v.reasons for i in run)
         lines.append(f"  {title:<34} {len(run):>4} run  {bad:>4} failed")
+        if prefix == split and bad:
+            checks: dict[str, list[int]] = {}
+            for i in run:
+                checks.setdefault(v.cases[i].label.split(": ", 1)[-1], []).append(i)
+            for name, ids in checks.items():
+                failed = sum(i in v.reasons for i in ids)
+                lines.append(f"    {name:<32} {len(ids):>4} run  {failed:>4} failed")
     if v.stopped:
         lines.append(f"  stopped: {v.stopped}")
     lines.append(verdict_line(v.grade, len(v.failed), len(v.cases), v.fingerprint, v.near))
@@ -105,7 +118,8 @@ def report(v: Verdict, count: int, seed: int, shown: int = 5) -> list[str]:
         (f"random layouts (seed {seed})", "random"),
     ]
     notes = [v.note] if v.note else []
-    lines = head(f"gclip.conformance: judging {v.target} against the contract", notes, groups, v, shown)
+    first = f"gclip.conformance: judging {v.target} against the contract"
+    lines = head(first, notes, groups, v, shown, split="contract")
     if v.passed:
         return lines
     for i in v.failed[:shown]:

@@ -91,8 +91,13 @@ def check(case: Case, expected: list, outcome: Outcome) -> str | None:
     if wrong:
         gap, i, j = max(wrong)
         return f"wrong values: {len(wrong)} of {len(pairs)} differ, most at shard {i} item {j} (by {gap:.6g})"
-    if case.exact and actual != expected:
-        return "equal only to ~1e-11: the contract's checks compare exactly (round to 12 decimals)"
+    differ = [(abs(a - b), i, j, a, b) for a, b, i, j in pairs if a != b]
+    if case.exact and differ:
+        gap, i, j, a, b = max(differ)
+        return (
+            f"off by {gap:.2g} (shard {i} item {j} is {a!r}, expected {b!r}): "
+            "the contract's checks compare exactly, so round to 12 decimals"
+        )
     loose = [(a, i, j) for a, _, i, j in pairs if a != round(a, 12)]
     if loose:
         a, i, j = loose[0]

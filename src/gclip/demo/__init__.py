@@ -7,9 +7,9 @@ rank: local (each rank's sum of squares) -> all-reduce (the global norm) ->
 scale (the same factor everywhere). ``--buggy NAME`` runs a bug of the gallery
 on the same data next to the correct clip and shows what it breaks.
 
-usage:: mpiexec -n 4 python -m gclip.demo [--buggy [NAME] | --mystery K] [--shards JSON]
-                                          [--max-norm X] [--seed S] [--json [--values]]
-                                          [--plot FILE.png] [--list-bugs]
+usage:: mpirun -n 4 python -m gclip.demo [--buggy [NAME] | --mystery K] [--shards JSON]
+                                         [--max-norm X] [--seed S] [--json [--values]]
+                                         [--plot FILE.png] [--list-bugs]
          python -m gclip.demo --ranks 4 ...   (4 simulated ranks in one process, no MPI)
 
 The default data makes every bug of the gallery visible on 4 ranks: the
@@ -18,15 +18,18 @@ norms all differ), the largest shard's sum of squares overflows float16,
 every value is far above the default limit 1 (so the inf-norm bug shows too),
 and the replicated bias (norm 50) is counted once. ``--seed 0`` gives the
 tutorial's norms (100, 400, 50, 200); every other seed its own whole-number
-norms, so each student of a lab gets their own numbers.
+norms, so each student of a lab gets their own numbers (any 67 consecutive
+seeds have different global norms).
 
 ``--ranks R`` runs R simulated ranks in this one process with
 ``gclip.clip_simulated`` (the same engine; the all-reduce is a sum over a
 list) and says so; under mpirun with several ranks it is refused. On one real
 rank without ``--ranks`` the report says how to start more. ``--mystery K``
-runs bug number K of a fixed list (``options.MYSTERIES``, the lab's answer
-key) under the name "mystery K": its name, summary and incident are kept out
-of the text and the JSON.
+runs the K-th bug of the seed's own order of the mystery pool
+(``options.mysteries``) under the name "mystery K": its name, summary and
+incident are kept out of the text and the JSON. Mysteries 1 and 2 are the
+seed's pair of distinct bugs: any 36 consecutive seeds get 36 different pairs,
+consecutive seeds pairs with no bug in common.
 
 ``--json`` prints one JSON object on one line (rank 0). Non-finite floats are
 written as the strings "inf", "-inf" and "nan" (strict JSON has no such
@@ -34,8 +37,9 @@ numbers; Python's ``float()`` reads them back). ``true_global_norm`` is the
 norm of the input; ``norms_used`` and ``scales`` what each rank used (a bug's
 run has no ``global_norm`` of its own: under most bugs rank 0's number is not
 a global norm); ``same_on_all_ranks`` says whether every rank used the same,
-and ``per_rank`` lists them all. The clipped values themselves
-(``clipped``, ``clipped_replicated``) only with ``--values``.
+and ``per_rank`` lists them all. ``values_per_rank`` counts each rank's
+shard values (the bias apart). The clipped values themselves (``clipped``,
+``clipped_replicated``) only with ``--values``.
 
 The parts: ``options`` (flags), ``ranks`` (the data, the clip on the ranks, the
 report), ``text`` (the learner's report), ``gallery`` (``--list-bugs``),
@@ -44,13 +48,14 @@ report), ``text`` (the learner's report), ``gallery`` (``--list-bugs``),
 
 from .command import main
 from .figure import sweep
-from .options import MYSTERIES, Options, parse_args, parse_data
+from .options import MYSTERY_POOL, Options, mysteries, parse_args, parse_data
 from .ranks import random_shard, run, run_simulated, shard_norm
 
 __all__ = [
-    "MYSTERIES",
+    "MYSTERY_POOL",
     "Options",
     "main",
+    "mysteries",
     "parse_args",
     "parse_data",
     "random_shard",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._lab.cli import entry
+from .._lab.cli import entry, mpi_world, rank_size
 from .figure import check_plot, render_plot
 from .gallery import render_bugs
 from .layout import render_layout, run_layout
@@ -19,11 +19,16 @@ __all__ = ["main"]
 
 def _main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
     if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    opts = parse_args(argv, comm.Get_size())
+        opts = parse_args(argv, None)  # the flags alone (--help ends here): MPI is not loaded yet
+        if opts.list_bugs or opts.simulate is not None:
+            # no MPI needed (nor loaded): the launcher's environment says if this is one of several
+            opts = parse_args(argv, rank_size()[1])
+        else:
+            comm = mpi_world(PROG)  # real ranks: MPI, or a one-line error that suggests --ranks
+            opts = parse_args(argv, comm.Get_size())
+    else:
+        opts = parse_args(argv, comm.Get_size())
+    rank = comm.Get_rank() if comm is not None else rank_size()[0]
 
     def say(text: str) -> None:
         if rank == 0:

@@ -128,14 +128,17 @@ def _plot_title(report: dict, opts: Options) -> str:
 
 
 def check_plot(opts: Options, comm: Any) -> None:
-    """Rank 0 checks that the plot can be made; every rank learns the verdict before any clip."""
+    """Rank 0 checks that the plot can be made; every rank learns the verdict before any clip.
+
+    ``comm`` None: one process (``--ranks``), no MPI."""
     problem = None
-    if comm.Get_rank() == 0:
+    if comm is None or comm.Get_rank() == 0:
         try:
             plots.require()
             check_writable("--plot", opts.plot or "")
         except UsageError as exc:
             problem = str(exc)
-    problem = comm.bcast(problem, root=0)
+    if comm is not None:
+        problem = comm.bcast(problem, root=0)
     if problem:
         raise UsageError(problem)

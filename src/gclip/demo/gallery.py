@@ -25,12 +25,12 @@ def render_bugs(as_json: bool) -> str:
     pad = width + ansi_pad(red(""))
     lines = [bold(f"gclip bug gallery: {total} ways to get global-norm clipping wrong"), ""]
     lines.append(
-        bold(f"How the norm is combined ({len(BUGS)}): mpiexec -n 4 python -m gclip.demo --buggy NAME")
+        bold(f"How the norm is combined ({len(BUGS)}): mpirun -n 4 python -m gclip.demo --buggy NAME")
     )
     for b in BUGS:
         lines.append(f"  {red(b.name):<{pad}}{b.summary}")
         lines.append(f"  {'':<{width}}seen in: {b.incident or NO_INCIDENT}")
-    run = "mpiexec -n 8 python -m gclip.demo --layout AXES --buggy NAME"
+    run = "mpirun -n 8 python -m gclip.demo --layout AXES --buggy NAME"
     lines += ["", bold(f"What the clip is told about the layout ({len(LAYOUT_BUGS)}): {run}")]
     for b in LAYOUT_BUGS:
         lines.append(f"  {red(b.name):<{pad}}{b.summary}")

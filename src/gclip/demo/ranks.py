@@ -31,6 +31,8 @@ __all__ = [
 TOP_NORM = 400.0  # seed 0: the largest shard's norm; rank r's is TOP_NORM / 2**_PATTERN[r % 4]
 _PATTERN = (2, 0, 3, 1)  # 4 ranks: norms 100, 400, 50, 200 (the largest is not on rank 0)
 _NORMS_STREAM = (7919, 104729)  # seeds > 0: the norms' own random stream, apart from the values'
+_TOPS = 67  # the largest norms a seed > 0 can have: 8 k, k = 33..100 but 50
+_TOP_STEP = 29  # coprime with 67, so k runs over all 67 in any 67 consecutive seeds; seed 7 keeps 280
 SIMULATED_HOST = "simulated"  # the host column of a --ranks run
 
 
@@ -42,16 +44,18 @@ def _norm_pattern(seed: int) -> tuple[float, tuple[int, ...]]:
     """(the largest norm, the halvings per rank) of seed ``seed``'s data.
 
     Seed 0 is the tutorial's: 400 and (2, 0, 3, 1), so norms 100, 400, 50, 200.
-    Any other seed draws the largest norm, a multiple of 8 from 264 to 800
-    (not 400: the norms are whole numbers and never seed 0's), and the order of
-    the four halvings, the largest never on rank 0 (so that rank 0's norm and
-    the largest differ). Its sum of squares is above float16's 65504.
+    Any other seed's largest norm is 8 k, k one of the 67 whole numbers from 33 to 100 but 50
+    (seed 0's 400): the ((_TOP_STEP * seed) mod 67)-th, so that any 67 consecutive seeds (a class)
+    get different largest norms, hence different global norms. Its sum of squares is above
+    float16's 65504. The order of the four halvings is drawn from the seed, the largest never on
+    rank 0 (so that rank 0's norm and the largest differ).
     """
     if seed == 0:
         return TOP_NORM, _PATTERN
-    rng = np.random.default_rng([seed, *_NORMS_STREAM])
-    k = int(rng.integers(33, 100))  # 33..99, then 50 (seed 0's 400) skipped: 33..100 but 50
+    k = 33 + (_TOP_STEP * seed) % _TOPS
     k += k >= 50
+    rng = np.random.default_rng([seed, *_NORMS_STREAM])
+    rng.integers(33, 100)  # the stream's first draw once chose k; still drawn, so each seed keeps its order
     order = tuple(int(i) for i in rng.permutation(len(_PATTERN)))
     if order[0] == 0:
         order = order[1:] + order[:1]
@@ -193,7 +197,7 @@ def build_report(opts: Options, gathered: list[dict]) -> dict:
         "norm_type": p,
         "reproducible": opts.reproducible,
         "data": _data_info(opts, len(gathered)),
-        "values": [int(g["grads"][0].size) for g in gathered],
+        "values_per_rank": [int(g["grads"][0].size) for g in gathered],  # counts: the shards, not the bias
         "replicated": list(opts.replicated),
         "input_norm": vector_norm(original, p),
     }

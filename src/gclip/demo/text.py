@@ -92,7 +92,7 @@ def _local_table(report: dict, opts: Options) -> list[str]:
         bold(f"1. local: each rank reduces its own shard to one number, its {_powname(p)}"),
         f"   {'rank':>4}  {'host':<10} {'values':>7}  {_powname(p):>15}  {'local norm':>11}",
     ]
-    for row, n in zip(rows, report["values"]):
+    for row, n in zip(rows, report["values_per_rank"]):
         bias = opts.replicated and row["rank"] == 0
         count = f"{n}+{len(opts.replicated)}" if bias else str(n)
         note = "  (+ the bias)" if bias else ""

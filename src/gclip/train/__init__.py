@@ -1,6 +1,6 @@
 """A small model trained with sharded parameters and global-norm clipping.
 
-usage:: mpiexec -n R python -m gclip.train [--steps 200] [--seed 0] [--lr 1.0] [--max-norm 0.05]
+usage:: mpirun -n R python -m gclip.train [--steps 200] [--seed 0] [--lr 1.0] [--max-norm 0.05]
             [--buggy [NAME]] [--reproducible] [--json] [--plot FILE.png]
          python -m gclip.train --ranks R ...   (R simulated ranks in one process, no MPI)
 

@@ -8,7 +8,17 @@ from collections.abc import Sequence
 
 from .. import strategies
 from .._lab import plots
-from .._lab.cli import ArgParser, UsageError, check_writable, entry, in_range, parse_max_norm, rank_size, say
+from .._lab.cli import (
+    ArgParser,
+    UsageError,
+    check_writable,
+    entry,
+    in_range,
+    mpi_world,
+    parse_max_norm,
+    rank_size,
+    say,
+)
 from ..layout import Mesh
 from .figure import plot
 from .layout import train_layout
@@ -99,9 +109,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _check_plot_path(args.plot)
     if args.ranks is not None:
         return _simulated(args)
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    comm = mpi_world(PROG)  # real ranks: MPI, or a one-line error that suggests --ranks
     mode = args.buggy or "global"
     config = _config(args)
     if args.layout:

@@ -40,7 +40,7 @@ class Run(NamedTuple):
         return [k > 0 for k in self.ranks_scaled]
 
     @property
-    def clipped_steps(self) -> int:
+    def steps_any_rank_scaled_down(self) -> int:
         """Steps on which at least one rank scaled its part down."""
         return sum(self.clipped)
 

@@ -6,7 +6,7 @@ rank's clip used (under a per-rank bug each rank has its own);
 replicated bias once): the norm a correct clip uses. ``update_norms`` is the
 global norm of the update applied, which a clip promises to keep at most
 ``max_norm``; ``steps_above_limit`` counts the steps where it was not.
-``clipped_steps`` counts the steps on which at least one rank scaled its part
+``steps_any_rank_scaled_down`` counts the steps on which at least one rank scaled its part
 down, ``ranks_scaled`` says how many did, step by step.
 """
 
@@ -32,7 +32,7 @@ def _measures(run: Run, config: Config) -> dict:
         "update_norms": run.update_norms,
         "cosines": run.cosines,
         "ranks_scaled": run.ranks_scaled,
-        "clipped_steps": run.clipped_steps,
+        "steps_any_rank_scaled_down": run.steps_any_rank_scaled_down,
         "steps_scaled_on_every_rank": run.scaled_everywhere_steps,
         "steps_above_limit": run.steps_above(config.max_norm),
         "same_norm_on_all_ranks": run.same_norm_on_all_ranks,
@@ -99,7 +99,7 @@ def text_report(runs: list[Run], config: Config, ranks: int) -> None:
     above = run.steps_above(config.max_norm)
     say(f"final loss {run.final_loss:.6f}")
     say(
-        f"scaled down on at least one rank: {run.clipped_steps} of {config.steps} steps "
+        f"scaled down on at least one rank: {run.steps_any_rank_scaled_down} of {config.steps} steps "
         f"(on every rank: {run.scaled_everywhere_steps})"
     )
     say(f"update applied above max_norm {config.max_norm:g}: {above} of {config.steps} steps")
@@ -109,9 +109,9 @@ def text_report(runs: list[Run], config: Config, ranks: int) -> None:
         at = departs_at(run.losses, ref.losses)
         where = "never" if at is None else f"at step {at}"
         say(
-            f"correct run (global): final loss {ref.final_loss:.6f}, scaled down on {ref.clipped_steps} "
-            f"steps, update above max_norm on {ref.steps_above(config.max_norm)}; the {run.mode} run departs "
-            f"from it {where}"
+            f"correct run (global): final loss {ref.final_loss:.6f}, scaled down on "
+            f"{ref.steps_any_rank_scaled_down} steps, update above max_norm on "
+            f"{ref.steps_above(config.max_norm)}; the {run.mode} run departs from it {where}"
         )
         say(
             f"largest update applied: {run.mode} {max(run.update_norms):.4g}, "
