@@ -82,6 +82,7 @@ def test_the_gallery_lists_every_bug_with_a_checked_incident():
         (["--layout", "pp=2,xx=2"], "unknown axis 'xx'"),
         (["--layout", "pp=3"], "but the world has 1"),
         (["--layout", "tp=1,pp=1,dp=1", "--buggy", "nope"], "invalid choice"),
+        (["--explain"], "--explain goes with --layout"),
     ],
 )
 def test_bad_layout_input_is_one_line_and_exit_2(args, message):
@@ -105,3 +106,26 @@ def test_a_layout_the_model_cannot_split_is_refused_on_every_rank():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "does not split them evenly" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # rank 0 alone says it
+
+
+def test_explain_lists_every_tensor_shard_once_with_who_counts_it():
+    """--explain's rows against the model's definition: every tensor's values are its shards'
+    values (each shard once), one rank of its holders counts it, and the shares add up to 1."""
+    proc = mpirun(
+        4, sys.executable, "-m", "gclip.demo", "--layout", "pp=2,tp=2", "--explain", "--json",
+        env=venv_env(), timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(proc.stdout)["tensors"]
+    values: dict[str, int] = {}
+    for row in rows:
+        assert row["counted_on"] == row["ranks"][0] and row["copies"] == len(row["ranks"]), row
+        values[row["name"]] = values.get(row["name"], 0) + math.prod(row["shape"])
+    shapes = transformer.model_shapes(ep=False)
+    assert values == {name: math.prod(shape) for name, shape in shapes.items()}
+    assert math.isclose(math.fsum(r["share"] for r in rows), 1.0, rel_tol=1e-12)
+    tied = [r for r in rows if r["name"] == "embed"]
+    assert tied and all(r["ranks"][0] < 2 <= r["ranks"][-1] for r in tied)  # first and last stage
+    text = mpirun(4, sys.executable, "-m", "gclip.demo", "--layout", "pp=2,tp=2", "--explain",
+                  env=venv_env(), timeout=180)  # fmt: skip
+    assert text.returncode == 0 and f"every tensor ({len(rows)} rows of gclip.explain)" in text.stdout

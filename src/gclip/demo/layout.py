@@ -106,6 +106,10 @@ def build_report(opts: Options, mesh: Mesh, rows: list, gathered: list[dict]) ->
         "model_norm": layout_run.true_norm(ep, opts.p),  # from the model's definition: the oracle
         "who_counts_what": _kinds(rows, gathered),
     }
+    if opts.explain:  # gclip.explain's rows, as the function returns them
+        report["tensors"] = [
+            {**r._asdict(), "shape": list(r.shape), "ranks": list(r.ranks), "copies": r.copies} for r in rows
+        ]
     for mode in gathered[0]:
         per_rank = [g[mode] for g in gathered]
         kept, drifted = _model(per_rank)
@@ -162,6 +166,16 @@ def _kinds(rows: list, gathered: list[dict]) -> list[dict]:
     return [{**k, "copies": sorted(k["copies"])} for k in kinds.values()]
 
 
+def _explained(tensors: list[dict]) -> list[str]:
+    """gclip.explain's rows as a table: the teacher's picture of who counts what."""
+    out = [f"   every tensor ({len(tensors)} rows of gclip.explain):"]
+    out.append(f"     {'tensor':<34} {'shape':<12} {'held by ranks':<16} {'counted on':>10}  {'share':>7}")
+    for t in tensors:
+        shape, held = "x".join(map(str, t["shape"])) or "()", ranges(t["ranks"])
+        out.append(f"     {t['name']:<34} {shape:<12} {held:<16} {t['counted_on']:>10}  {t['share']:>7.2%}")
+    return out
+
+
 def _bug(name: str) -> dict:
     bug = LAYOUT_BUG_NAMES.get(name) or STRATEGIES[name]
     return bug.as_dict()
@@ -200,6 +214,10 @@ def render_layout(report: dict, opts: Options) -> str:
         lines.append(
             f"     {k['kind']:<30} {k['pieces']:>4} pieces  {held:<36} {k['share']:.1%} of the norm^p"
         )
+    if "tensors" in report:
+        lines += _explained(report["tensors"])
+    else:
+        lines.append("     (--explain: every tensor, where it lives and who counts it)")
     lines.append(
         bold(f"2. all-reduce: one MPI_Allreduce over all {r} ranks adds what each counted")
         + f"  ->  global norm {bold(num(report['global_norm']))}"

@@ -88,6 +88,7 @@ class Options:
     simulate: int | None = None  # --ranks R: R simulated ranks in this one process (no mpirun)
     mystery: int | None = None  # --mystery K: ``bug`` is mysteries(seed)[K - 1], its name kept out
     values: bool = False  # --values: the JSON holds the clipped values too
+    explain: bool = False  # --explain (with --layout): every tensor's row of gclip.explain
 
     @property
     def mode(self) -> str:
@@ -138,6 +139,11 @@ def _parser() -> ArgParser:
         "--layout",
         metavar="AXES",
         help="lay a small transformer out over the ranks, e.g. pp=2,dp=2,tp=2 (axes pp, dp, tp, ep)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="with --layout: every tensor (or shard), the ranks holding it, the one counting it, its share",
     )
     p.add_argument("--shards", metavar="JSON", help="one list of numbers per rank, e.g. '[[3,0],[0,4]]'")
     p.add_argument("--max-norm", default=str(DEFAULT_LIMIT), metavar="X", help="the max norm (default 1)")
@@ -191,6 +197,8 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
         if clash:
             raise UsageError(f"--mystery runs a bug of its own: drop {', '.join(clash)}")
         ns.buggy = mysteries(ns.seed)[ns.mystery - 1]
+    if ns.explain and ns.layout is None:
+        raise UsageError("--explain goes with --layout: it lists the laid-out model's tensors")
     if ns.values and not ns.json:
         raise UsageError("--values goes with --json (the text report shows short shards' values already)")
     if not 0 <= ns.size <= MAX_SIZE:
@@ -223,6 +231,7 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
         ns.ranks,
         ns.mystery,
         ns.values,
+        ns.explain,
     )
 
 
