@@ -1,7 +1,7 @@
 """docs/tutorial.md quotes the demo on the default data (--seed 0): its excerpts and its gallery table
 must be what the demo prints today, so that the tutorial's numbers stay reproducible.
 
-- each ``text`` block that starts with ``$ mpiexec -n R ...`` (R <= 4; the 8-rank layout runs are
+- each ``text`` block that starts with ``$ mpirun -n R ...`` (R <= 4; the 8-rank layout runs are
   tests of their own) is run through conftest.mpirun; its lines must appear in the output in order
   (``...`` skips; the host column of table 1 is the machine's own name, so it is left out);
 - the gallery table's numbers are checked against ``--buggy NAME --json`` on 4 simulated ranks, and
@@ -31,7 +31,7 @@ def excerpts() -> list[tuple[str, list[str]]]:
     out = []
     for block in re.findall(r"^```text\n(.*?)^```", TUTORIAL.read_text(), flags=re.S | re.M):
         first, *lines = block.splitlines()
-        if first.startswith("$ mpiexec -n ") and int(first.split()[3]) <= 4:
+        if first.startswith("$ mpirun -n ") and int(first.split()[3]) <= 4:
             out.append((first[2:], lines))
     return out
 
