@@ -107,6 +107,28 @@ def clip(grads, max_norm, comm):
     s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5)
     return [g * s for g in grads]
 """,
+    # the same skip with the collective on COMM_WORLD, not the comm given (as much real code does)
+    "skip_on_world": """
+def clip(grads, max_norm, comm):
+    if not grads:
+        return grads
+    s = _scale(max_norm, MPI.COMM_WORLD.allreduce(_sumsq(grads)) ** 0.5)
+    return [g * s for g in grads]
+""",
+    "skip_on_imported_world": """
+from mpi4py.MPI import COMM_WORLD
+
+def clip(grads, max_norm, comm):
+    if not grads:
+        return grads
+    s = _scale(max_norm, COMM_WORLD.allreduce(_sumsq(grads)) ** 0.5)
+    return [g * s for g in grads]
+""",
+    "correct_on_world": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, MPI.COMM_WORLD.allreduce(_sumsq(grads)) ** 0.5)
+    return [g * s for g in grads]
+""",
     "raises_on_rank_1": """
 def clip(grads, max_norm, comm):
     if comm.Get_rank() == 1:
@@ -159,7 +181,7 @@ def judge(tmp_path, name: str, *args: str, ranks: int = 3, timeout: int = 240) -
     return proc.returncode, out
 
 
-@pytest.mark.parametrize("name", ["in_place_pickled", "returning_buffer", "nonblocking"])
+@pytest.mark.parametrize("name", ["in_place_pickled", "returning_buffer", "nonblocking", "correct_on_world"])
 def test_correct_distributed_functions_pass(tmp_path, name):
     code, out = judge(tmp_path, name)
     assert code == 0 and out["passed"] and out["grade"] == "pass"
@@ -217,6 +239,16 @@ def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):
     assert [r["outcome"] for r in first["ranks"]] == ["did not finish", "did not finish", "returned"]
     assert first["ranks"][0]["collectives"] == ["allreduce"] and first["ranks"][2]["collectives"] == []
     assert out["stopped"].startswith("3 cases hung")
+
+
+@pytest.mark.parametrize("name", ["skip_on_world", "skip_on_imported_world"])
+def test_a_skipped_collective_on_comm_world_is_named_too(tmp_path, name):
+    code, out = judge(tmp_path, name, "--random", "0", *HANG)
+    assert code == 1 and out["fingerprint"] == "skip-collective"
+    assert out["failures"][0]["reason"] == (
+        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 3 s)"
+    )
+    assert out["failures"][0]["ranks"][0]["collectives"] == ["allreduce"]
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,20 @@ def test_a_hanging_clip_aborts_the_suite_with_the_ranks_named():
     assert left.stdout == ""
 
 
+def test_a_collective_skipped_on_comm_world_is_named_too():
+    proc = _pytest_mpi(3, "hang_world_suite.py", timeout=120)
+    assert proc.returncode not in (0, mpirun.TIMED_OUT), proc.stdout[-4000:] + proc.stderr[-4000:]
+    message = (
+        "gclip.testing.assert_conforms(skips_on_world): contract N=1: norm spans two shards: "
+        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 3 s)"
+    )
+    assert proc.stderr.count(message) == 1, proc.stderr[-4000:]
+    left = subprocess.run(
+        ["pgrep", "-f", str(TARGETS / "hang_world_suite.py")], capture_output=True, text=True
+    )
+    assert left.stdout == ""
+
+
 def test_a_clip_that_holds_the_gil_still_ends_the_job():
     proc = _pytest_mpi(2, "gil_suite.py", timeout=180)
     assert proc.returncode not in (0, mpirun.TIMED_OUT), proc.stdout[-4000:] + proc.stderr[-4000:]

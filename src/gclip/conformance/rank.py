@@ -103,6 +103,7 @@ def main(jobdir: str) -> int:
     private = world.Dup()  # the judge's barrier, apart from whatever the function does
     comm = recorder.recorded(world.Dup())
     rec = recorder.install(recorder.Recorder(sink))
+    recorder.record_world()  # before the file is loaded: its COMM_WORLD records too (for good here)
     group = None
     if job["mode"] == "torch":
         import torch.distributed as dist
