@@ -308,6 +308,17 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args, message):
     assert proc.stdout == ""
 
 
+def test_a_file_that_cannot_load_is_exit_2_and_json_under_json(tmp_path):
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def solve(:\n")
+    proc = run(f"{syntax}:solve", "--json", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    out = json.loads(proc.stdout)
+    assert out == {"target": f"{syntax}:solve", "passed": False, "error": out["error"]}
+    assert out["error"].startswith(f"cannot load {syntax}: SyntaxError")
+    assert proc.stderr.strip() == f"gclip.conformance: error: {out['error']}"
+
+
 # ---------------------------------------------------------------------------
 # in-process: what the cases cover
 

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -332,6 +333,55 @@ def test_a_missing_function_is_a_usage_error_found_by_the_ranks(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "no function 'clip'" in proc.stderr
+
+
+LOADS = {
+    # rank 1 never finishes loading the file; the others do, and wait for it
+    "hangs_at_import": """
+if MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(600)
+
+def clip(grads, max_norm, comm):
+    return grads
+""",
+    "raises_at_import": """
+if MPI.COMM_WORLD.Get_rank() == 2:
+    raise RuntimeError("no config on rank 2")
+
+def clip(grads, max_norm, comm):
+    return grads
+""",
+}
+
+
+@pytest.mark.parametrize(
+    "name,error",
+    [
+        (
+            "hangs_at_import",
+            "rank 1 was still loading it (running the file's top level) 10 s after ranks 0, 2",
+        ),
+        ("raises_at_import", "RuntimeError: no config on rank 2 (on rank 2 only)"),
+    ],
+)
+def test_a_file_that_cannot_load_on_one_rank_names_it(tmp_path, name, error):
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEAD + textwrap.dedent(LOADS[name]))
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    env["TMPDIR"] = str(jobs)
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", "3", "--json", *HANG]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert time.monotonic() - started < 60  # the load lag (10 s) and a job's start, not 120 s
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    assert out["passed"] is False and out["target"] == f"{path}:clip"
+    assert out["error"].startswith(f"cannot load {path}") and error in out["error"]
+    assert proc.stderr.strip() == f"gclip.conformance: error: {out['error']}"  # one line
+    left = subprocess.run(["pgrep", "-f", str(jobs)], capture_output=True, text=True)
+    assert left.stdout == "", f"left running: {left.stdout}"
 
 
 def test_under_mpirun_the_judge_refuses_once(tmp_path):
