@@ -92,6 +92,12 @@ def solve(shards, limit):
 def solve(shards, limit):
     return [v for s in shards for v in s]
 """,
+    # each shard in another shape (a column of one-element lists): shards are flat lists of numbers
+    "columns": """
+def solve(shards, limit):
+    scale = _scale(limit, math.sqrt(sum(v * v for s in shards for v in s)))
+    return [[[v] for v in s] for s in _scaled(shards, scale)]
+""",
     "drops_empty": """
 def solve(shards, limit):
     out = _scaled(shards, _scale(limit, math.sqrt(sum(v * v for s in shards for v in s))))
@@ -222,6 +228,7 @@ def test_unrounded_results_fail_for_the_rounding(tmp_path):
         ("raises", "raised ValueError: not implemented yet"),
         ("exits", "raised SystemExit: 4"),
         ("flat", "not a list of numbers"),
+        ("columns", "item 0 as list, not a number"),
         ("string", "returned str"),
     ],
 )

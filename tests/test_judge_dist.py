@@ -100,6 +100,17 @@ def clip(grads, max_norm, comm):
     for g in grads:
         g *= s
 """,
+    # the right values in another shape: reversed axes (2-D and 3-D arrays), or flattened
+    "reshaped": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5)
+    return [(g * s).reshape(g.shape[::-1]) for g in grads]
+""",
+    "flattened": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5)
+    return [np.ravel(g) * s for g in grads]
+""",
     # faults
     "skip": """
 def clip(grads, max_norm, comm):
@@ -228,6 +239,17 @@ def test_the_epsilon_is_a_named_near_miss_with_its_size(tmp_path):
     assert out["grade"] == "near miss" and out["fingerprint"] == "epsilon"
     size = float(out["near_miss"].split("off by at most ")[1].split()[0])
     assert 1e-9 < size < 1e-4
+
+
+@pytest.mark.parametrize("name,shape", [("reshaped", "(4, 3)"), ("flattened", "(12,)")])
+def test_a_return_in_another_shape_fails_naming_both_shapes(tmp_path, name, shape):
+    code, out = judge(tmp_path, name)
+    assert code == 1 and out["grade"] == "fail"
+    reasons = {f["check"]: f["reason"] for f in out["failures"]}
+    assert reasons["holdings: 2-D and 3-D arrays"] == (
+        f"ranks 0, 1, 2 returned no clip: returned array 0 of shape {shape} for one of shape (3, 4)"
+    )
+    assert not any(c.startswith("contract") for c in reasons)  # 1-D arrays keep their shape either way
 
 
 def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):

@@ -197,7 +197,7 @@ def test_every_return_of_the_same_layout_is_accepted():
         iter(halves),
         (halves, 2.0),
         ClipResultLike(),
-        [list(h.ravel()) for h in halves],
+        [h.tolist() for h in halves],
     ):
         arrays, why = returned_arrays(value, given)
         assert why is None, why
@@ -215,11 +215,27 @@ def test_every_return_of_the_same_layout_is_accepted():
         ([np.zeros(3)], "returned 1 arrays for the 2"),
         ([np.zeros(3), np.zeros(3)], "array 1 with 3 values, given 4"),
         ([np.zeros(3), np.array(["a"] * 4)], "not numbers"),
+        # the values all there, in another shape: an optimizer would break
+        ([np.zeros(3), np.zeros(4)], "returned array 1 of shape (4,) for one of shape (2, 2)"),
+        ([np.zeros(3), [0.0, 0.0, 0.0, 0.0]], "returned array 1 of shape (4,) for one of shape (2, 2)"),
+        ([np.zeros((3, 1)), np.zeros((2, 2))], "returned array 0 of shape (3, 1) for one of shape (3,)"),
     ],
 )
 def test_returns_that_are_no_clip_say_why(value, reason):
     arrays, why = returned_arrays(value, [np.zeros(3), np.zeros((2, 2))])
     assert arrays is None and reason in why
+
+
+def test_a_transposed_return_is_no_clip_but_an_empty_list_is_any_empty_array():
+    given = [np.ones((3, 4)), np.ones((2, 3, 2)), np.zeros((0, 3))]
+    arrays, why = returned_arrays([given[0].T, given[1], given[2]], given)
+    assert arrays is None and why == "returned array 0 of shape (4, 3) for one of shape (3, 4)"
+    arrays, why = returned_arrays([given[0], given[1].reshape(2, 2, 3), []], given)
+    assert arrays is None and why == "returned array 1 of shape (2, 2, 3) for one of shape (2, 3, 2)"
+    arrays, why = returned_arrays([g.tolist() for g in given], given)  # [] for the (0, 3) array
+    assert why is None and [a.shape for a in arrays] == [(3, 4), (2, 3, 2), (0, 3)]
+    arrays, why = returned_arrays([given[0], given[1], np.zeros(0)], given)  # an array keeps its shape
+    assert arrays is None and why == "returned array 2 of shape (0,) for one of shape (0, 3)"
 
 
 def test_arrays_travel_exactly():
