@@ -94,6 +94,16 @@ def clip(grads, max_norm, comm):
     s = min(1.0, max_norm / norm) if norm > 0 else 1.0  # an overflow (inf) wipes the gradient
     return [g * s for g in grads]
 """,
+    "float32_sum_of_squares": """
+def clip(grads, max_norm, comm):
+    local = np.float32(0)
+    for g in grads:
+        local = np.float32(local + np.sum(np.square(g.astype(np.float32)), dtype=np.float32))
+    total = np.zeros(1, dtype=np.float32)
+    comm.Allreduce(np.array([local]), total, op=MPI.SUM)
+    s = _scale(max_norm, float(np.sqrt(total[0])))  # inf beyond float32's range: the gradient is wiped
+    return [g * s for g in grads]
+""",
     "epsilon": """
 def clip(grads, max_norm, comm):
     s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5, eps=1e-6)
@@ -250,6 +260,20 @@ def test_a_return_in_another_shape_fails_naming_both_shapes(tmp_path, name, shap
         f"ranks 0, 1, 2 returned no clip: returned array 0 of shape {shape} for one of shape (3, 4)"
     )
     assert not any(c.startswith("contract") for c in reasons)  # 1-D arrays keep their shape either way
+
+
+def test_a_float32_sum_of_squares_is_a_near_miss_as_in_one_process(tmp_path):
+    code, out = judge(tmp_path, "float32_sum_of_squares", "--random", "40")
+    assert code == 1 and out["grade"] == "near miss" and out["fingerprint"] == "unknown"
+    size = float(out["near_miss"].split("off by at most ")[1].split()[0])
+    assert 1e-9 < size < 1e-6  # float32's rounding, not more
+    assert out["near_miss"].endswith("on 1 check with a norm above 1.8e+19 (float32 overflows) by up to 1")
+    scales = {f["check"]: f["scales"] for f in out["failures"]}
+    assert not any("as expected" in line for lines in scales.values() for line in lines)
+    rounding = "(rounding, e.g. float32 arithmetic)"
+    assert scales["holdings: only rank 0 holds arrays"][-1].endswith(rounding)  # no local-norm hint
+    assert scales["dtypes: float32 and float64 on each rank"][-1].endswith(rounding)
+    assert "its sum of squares overflowed" in scales["edge: huge values (squares near 1e200)"][-1]
 
 
 def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):

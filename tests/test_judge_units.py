@@ -109,6 +109,55 @@ def test_unit_lines_name_the_ranks_own_norms():
     assert lines[3] == "  rank 1: scale 0.5 (implies norm 4): its own norm"
 
 
+def test_a_scale_off_by_a_rounding_is_said_so_not_as_expected():
+    # rank 0 holds float64 values (its scale known to ~1e-11), rank 1 float32 ones (to ~2e-6);
+    # both applied 0.4 * (1 + 5e-8): a norm summed in float32, off by that much
+    off = 0.4 * (1 + 5e-8)
+    before = [[np.array([3.0])], [np.array([4.0], dtype=np.float32)]]
+    after = [[b[0] * off] for b in before]
+    units = [implied.applied(b, a, t) for b, a, t in zip(before, after, (1e-11, 2e-6))]
+    lines = implied.unit_lines(
+        "rank", units, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 2e-6, precision=[1e-11, 2e-6]
+    )
+    assert "as expected" not in lines[1]
+    assert lines[1].endswith("on every rank, +5e-08 relative off the expected")
+    assert lines[2].endswith("is the global norm off by -5e-08 relative (rounding, e.g. float32 arithmetic)")
+    # known only as precisely as float32 allows, the same scale is the expected one
+    loose = implied.unit_lines("rank", units, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 2e-6, precision=[2e-6] * 2)
+    assert loose[1].endswith("as expected")
+
+
+def test_norms_equal_to_the_global_one_are_no_hint():
+    # only rank 0 holds values: its own norm, the sum and the largest of the local norms are the global
+    # norm, so a norm off by 6e-8 is a rounding, not one of them
+    hints = implied.norm_hints(5.0 * (1 - 6e-8), [25.0, 0.0, 0.0], [2, 0, 0], "rank", implied.SAME)
+    assert hints == ["the global norm off by -6e-08 relative (rounding, e.g. float32 arithmetic)"]
+
+
+def test_an_overflowed_norm_is_said_so():
+    before = [[np.array([3e100, 4e100])]]
+    units = [implied.applied(before[0], [np.zeros(2)], 1e-11)]
+    lines = implied.unit_lines("rank", units, [25e200], [2], 1e100, 0.2, 5e100)
+    assert lines[1] == "applied: the same scale 0 (implies norm inf) on every rank"
+    assert lines[2] == (
+        "  the implied norm is inf, the global norm 5e+100: its sum of squares overflowed "
+        "(in float32 it does above a norm of 1.8e+19)"
+    )
+
+
+def test_grade_counts_norms_beyond_float32_apart_only_beside_near_misses():
+    from gclip.conformance.verdict import grade
+
+    norms, errors = [1.0, 2.0, 1e100, 3.0], [1e-7, 2e-7, 1.0, 0.0]
+    level, how = grade(norms, errors, [0, 1, 2], None, None)
+    assert level == "near miss"
+    assert how == (
+        "off by at most 2e-07 relative; on 1 check with a norm above 1.8e+19 (float32 overflows) by up to 1"
+    )
+    assert grade(norms, [1e-7, 1e-3, 1.0, 0.0], [0, 1, 2], None, None)[0] == "fail"  # far off in range
+    assert grade(norms, [0.0, 0.0, 1.0, 0.0], [2], None, None)[0] == "fail"  # only the overflow fails
+
+
 # ---------------------------------------------------------------------------
 # hangs: the reason, from each rank's events
 
