@@ -104,6 +104,12 @@ def clip(grads, max_norm, comm):
     s = _scale(max_norm, float(np.sqrt(total[0])))  # inf beyond float32's range: the gradient is wiped
     return [g * s for g in grads]
 """,
+    # unknown to the gallery: each rank's last array left out of its sum of squares
+    "drops_last_array": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads[:-1])) ** 0.5)
+    return [g * s for g in grads]
+""",
     "epsilon": """
 def clip(grads, max_norm, comm):
     s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5, eps=1e-6)
@@ -260,6 +266,14 @@ def test_a_return_in_another_shape_fails_naming_both_shapes(tmp_path, name, shap
         f"ranks 0, 1, 2 returned no clip: returned array 0 of shape {shape} for one of shape (3, 4)"
     )
     assert not any(c.startswith("contract") for c in reasons)  # 1-D arrays keep their shape either way
+
+
+def test_an_array_left_out_on_each_rank_gets_a_hint(tmp_path):
+    code, out = judge(tmp_path, "drops_last_array")
+    assert code == 1 and out["fingerprint"] == "unknown"
+    (failure,) = [f for f in out["failures"] if f["check"] == "holdings: every rank holds three arrays"]
+    # each rank holds arrays of 3, 1 and 5 values: the 5 are left out on every rank
+    assert failure["scales"][-1].endswith("is the norm without each rank's last array")
 
 
 def test_a_float32_sum_of_squares_is_a_near_miss_as_in_one_process(tmp_path):

@@ -98,6 +98,21 @@ def test_implied_norm_and_its_hints():
     assert "times the global norm" in implied.norm_hints(40.0, sumsq, counts, "rank")[0]
 
 
+def test_each_ranks_first_or_last_array_left_out_is_a_hint():
+    # rank 0 holds arrays of norms 3 and 4, rank 1 one of norm 12, rank 2 none: global norm 13
+    parts = [[9.0, 16.0], [144.0], []]
+    sumsq, counts = [25.0, 144.0, 0.0], [2, 1, 0]
+    assert implied.norm_hints(3.0, sumsq, counts, "rank", parts=parts) == [
+        "the norm without each rank's last array"  # sqrt(9): rank 0's 4 and rank 1's 12 left out
+    ]
+    assert implied.norm_hints(4.0, sumsq, counts, "rank", parts=parts) == [
+        "the norm without each rank's first array"
+    ]
+    assert "each rank" not in " ".join(implied.norm_hints(3.0, sumsq, counts, "rank"))  # without parts
+    # copies counted (a layout's global norm is below the sum): no such hint
+    assert "each rank" not in " ".join(implied.norm_hints(3.0, sumsq, counts, "rank", 1e-9, 12.0, parts))
+
+
 def test_unit_lines_name_the_ranks_own_norms():
     before = [[np.array([3.0])], [np.array([4.0])]]
     after = [[np.array([3.0 * 2 / 3])], [np.array([4.0 * 0.5])]]  # each clipped to 2 by its own norm

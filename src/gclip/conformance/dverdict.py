@@ -158,11 +158,12 @@ def _hints(case: DistCase, run: CaseRun) -> list[str]:
         units.append(unit)
         tols.append(rtol)
         sharp.append(best)
-    sumsq = [math.fsum(float(np.sum(np.square(x, dtype=np.float64))) for x in r) for r in case.ranks]
+    parts = [[float(np.sum(np.square(x, dtype=np.float64))) for x in r] for r in case.ranks]
+    sumsq = [math.fsum(p) for p in parts]
     counts = [sum(x.size for x in r) for r in case.ranks]
     rtol = max(max(tols), implied.SAME)
     return implied.unit_lines(
-        "rank", units, sumsq, counts, case.max_norm, case.scale, case.norm, rtol, precision=sharp
+        "rank", units, sumsq, counts, case.max_norm, case.scale, case.norm, rtol, precision=sharp, parts=parts
     )
 
 

@@ -105,6 +105,7 @@ def norm_hints(
     kind: str,
     rtol: float = SAME,
     global_norm: float | None = None,
+    parts: Sequence[Sequence[float]] | None = None,
 ) -> list[str]:
     """What a norm equals, among the norms a clip may compute by mistake.
 
@@ -112,7 +113,9 @@ def norm_hints(
     count; ``rtol`` how close it must be to be the global norm (the values'
     precision). Returns phrases such as "the norm without rank 2", best first.
     ``global_norm``: the true one when units hold copies (a layout), so that
-    the sum over units counts some values more than once.
+    the sum over units counts some values more than once. ``parts[u]``: unit
+    u's sum of squares array by array, when a unit holds several (a rank's
+    list): then each unit's first or last array left out is a candidate too.
     """
     local = [math.sqrt(s) for s in sumsq]
     total = math.fsum(sumsq)
@@ -122,6 +125,12 @@ def norm_hints(
     candidates: list[tuple[str, float]] = [("the global norm", exact)]
     if abs(every - exact) > rtol * exact:
         candidates.append((f"the norm of every value on every {kind}, copies counted each time", every))
+    elif parts is not None:  # an off-by-one over each unit's list (copies would blur it)
+        for which, pick in (("first", 0), ("last", -1)):
+            left = math.fsum(p[pick] for p in parts if p)
+            candidates.append(
+                (f"the norm without each {kind}'s {which} array", math.sqrt(max(0.0, total - left)))
+            )
     if units > 1:
         for k in range(units):
             if sumsq[k] > 0:
@@ -168,6 +177,7 @@ def unit_lines(
     global_norm: float,
     rtol: float = SAME,
     precision: Sequence[float] | None = None,
+    parts: Sequence[Sequence[float]] | None = None,
 ) -> list[str]:
     """Short lines for a learner: the scale each unit applied, against the expected one.
 
@@ -207,7 +217,7 @@ def unit_lines(
             lines.append(f"applied: the same {words} on every {kind}")
         norm = implied_norm(s, max_norm)
         if norm is not None and math.isfinite(norm):
-            hints = norm_hints(norm, sumsq, counts, kind, sharp, global_norm)
+            hints = norm_hints(norm, sumsq, counts, kind, sharp, global_norm, parts)
             lines.append(f"  the implied norm {norm:.{digits}g} is {'; or '.join(hints)}")
         elif norm == math.inf and 0 < global_norm < math.inf:
             lines.append(
