@@ -358,6 +358,23 @@ def test_text_verdict_of_a_hang(tmp_path):
     assert proc.stdout.count("verdict: FAIL") == 1
 
 
+def test_text_verdict_of_a_deadlock_points_to_the_reasons_not_to_scales(tmp_path):
+    path = tmp_path / "deadlock.py"
+    path.write_text(HEAD + textwrap.dedent(FUNCTIONS["deadlock"]))
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    env["TMPDIR"] = str(jobs)
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", "3", "--random", "0", *HANG]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "fingerprint: unknown (it fails like no bug of the gallery: see the reasons below)" in proc.stdout
+    assert "scale" not in proc.stdout  # a hang has no scales to show
+    assert "    reason   deadlock: rank 0 waited in recv, ranks 1, 2 waited in allreduce" in proc.stdout
+    left = subprocess.run(["pgrep", "-f", str(jobs)], capture_output=True, text=True)
+    assert left.stdout == "", f"left running: {left.stdout}"
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -173,6 +173,19 @@ def test_grade_counts_norms_beyond_float32_apart_only_beside_near_misses():
     assert grade(norms, [0.0, 0.0, 1.0, 0.0], [2], None, None)[0] == "fail"  # only the overflow fails
 
 
+def test_torchs_clip_on_each_shard_is_labelled_its_own_norm_plus_the_epsilon():
+    before = [[np.array([3.0])], [np.array([4.0])]]
+    after = [[np.array([3.0 * 2 / (3 + 1e-6)])], [np.array([4.0 * 2 / (4 + 1e-6)])]]
+    units = [implied.applied(b, a, 1e-11) for b, a in zip(before, after)]
+    lines = implied.unit_lines("rank", units, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 1e-11)
+    assert lines[2] == "  rank 0: scale 0.666666 (implies norm 3): its own norm + 1e-6 (torch's epsilon)"
+    assert lines[3] == "  rank 1: scale 0.5 (implies norm 4): its own norm + 1e-6 (torch's epsilon)"
+    exact = [implied.applied(b, [b[0] * (2 / n)], 1e-11) for b, n in zip(before, (3.0, 4.0))]
+    assert implied.unit_lines("rank", exact, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 1e-11)[2].endswith(
+        "(implies norm 3): its own norm"
+    )
+
+
 # ---------------------------------------------------------------------------
 # hangs: the reason, from each rank's events
 

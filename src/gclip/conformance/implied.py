@@ -231,8 +231,11 @@ def unit_lines(
         norm = implied_norm(a.scale, max_norm)
         own = ""
         if norm is not None and math.isfinite(norm) and sumsq[u] > 0:
-            if abs(norm - math.sqrt(sumsq[u])) <= max(rtol, 1e-7) * norm:
+            mine = math.sqrt(sumsq[u])
+            if abs(norm - mine) <= max(rtol, 1e-7) * norm:
                 own = ": its own norm"
+            elif abs(norm - mine - 1e-6) <= 1e-8 + rtol * norm:  # torch's clip_grad_norm_ on its shard
+                own = ": its own norm + 1e-6 (torch's epsilon)"
         lines.append(f"  {kind} {u}: {scale_words(a.scale, max_norm, digits)}{own}")
     return lines
 
