@@ -92,6 +92,12 @@ def solve(shards, limit):
 def solve(shards, limit):
     return [v for s in shards for v in s]
 """,
+    # each shard in another shape (a column of one-element lists): shards are flat lists of numbers
+    "columns": """
+def solve(shards, limit):
+    scale = _scale(limit, math.sqrt(sum(v * v for s in shards for v in s)))
+    return [[[v] for v in s] for s in _scaled(shards, scale)]
+""",
     "drops_empty": """
 def solve(shards, limit):
     out = _scaled(shards, _scale(limit, math.sqrt(sum(v * v for s in shards for v in s))))
@@ -222,6 +228,7 @@ def test_unrounded_results_fail_for_the_rounding(tmp_path):
         ("raises", "raised ValueError: not implemented yet"),
         ("exits", "raised SystemExit: 4"),
         ("flat", "not a list of numbers"),
+        ("columns", "item 0 as list, not a number"),
         ("string", "returned str"),
     ],
 )
@@ -306,6 +313,17 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("gclip.conformance: error:")
     assert message in lines[0]
     assert proc.stdout == ""
+
+
+def test_a_file_that_cannot_load_is_exit_2_and_json_under_json(tmp_path):
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def solve(:\n")
+    proc = run(f"{syntax}:solve", "--json", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    out = json.loads(proc.stdout)
+    assert out == {"target": f"{syntax}:solve", "passed": False, "error": out["error"]}
+    assert out["error"].startswith(f"cannot load {syntax}: SyntaxError")
+    assert proc.stderr.strip() == f"gclip.conformance: error: {out['error']}"
 
 
 # ---------------------------------------------------------------------------

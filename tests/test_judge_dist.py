@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -93,11 +94,38 @@ def clip(grads, max_norm, comm):
     s = min(1.0, max_norm / norm) if norm > 0 else 1.0  # an overflow (inf) wipes the gradient
     return [g * s for g in grads]
 """,
+    "float32_sum_of_squares": """
+def clip(grads, max_norm, comm):
+    local = np.float32(0)
+    for g in grads:
+        local = np.float32(local + np.sum(np.square(g.astype(np.float32)), dtype=np.float32))
+    total = np.zeros(1, dtype=np.float32)
+    comm.Allreduce(np.array([local]), total, op=MPI.SUM)
+    s = _scale(max_norm, float(np.sqrt(total[0])))  # inf beyond float32's range: the gradient is wiped
+    return [g * s for g in grads]
+""",
+    # unknown to the gallery: each rank's last array left out of its sum of squares
+    "drops_last_array": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads[:-1])) ** 0.5)
+    return [g * s for g in grads]
+""",
     "epsilon": """
 def clip(grads, max_norm, comm):
     s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5, eps=1e-6)
     for g in grads:
         g *= s
+""",
+    # the right values in another shape: reversed axes (2-D and 3-D arrays), or flattened
+    "reshaped": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5)
+    return [(g * s).reshape(g.shape[::-1]) for g in grads]
+""",
+    "flattened": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5)
+    return [np.ravel(g) * s for g in grads]
 """,
     # faults
     "skip": """
@@ -105,6 +133,28 @@ def clip(grads, max_norm, comm):
     if not grads:
         return grads
     s = _scale(max_norm, comm.allreduce(_sumsq(grads)) ** 0.5)
+    return [g * s for g in grads]
+""",
+    # the same skip with the collective on COMM_WORLD, not the comm given (as much real code does)
+    "skip_on_world": """
+def clip(grads, max_norm, comm):
+    if not grads:
+        return grads
+    s = _scale(max_norm, MPI.COMM_WORLD.allreduce(_sumsq(grads)) ** 0.5)
+    return [g * s for g in grads]
+""",
+    "skip_on_imported_world": """
+from mpi4py.MPI import COMM_WORLD
+
+def clip(grads, max_norm, comm):
+    if not grads:
+        return grads
+    s = _scale(max_norm, COMM_WORLD.allreduce(_sumsq(grads)) ** 0.5)
+    return [g * s for g in grads]
+""",
+    "correct_on_world": """
+def clip(grads, max_norm, comm):
+    s = _scale(max_norm, MPI.COMM_WORLD.allreduce(_sumsq(grads)) ** 0.5)
     return [g * s for g in grads]
 """,
     "raises_on_rank_1": """
@@ -159,7 +209,7 @@ def judge(tmp_path, name: str, *args: str, ranks: int = 3, timeout: int = 240) -
     return proc.returncode, out
 
 
-@pytest.mark.parametrize("name", ["in_place_pickled", "returning_buffer", "nonblocking"])
+@pytest.mark.parametrize("name", ["in_place_pickled", "returning_buffer", "nonblocking", "correct_on_world"])
 def test_correct_distributed_functions_pass(tmp_path, name):
     code, out = judge(tmp_path, name)
     assert code == 0 and out["passed"] and out["grade"] == "pass"
@@ -207,6 +257,39 @@ def test_the_epsilon_is_a_named_near_miss_with_its_size(tmp_path):
     assert 1e-9 < size < 1e-4
 
 
+@pytest.mark.parametrize("name,shape", [("reshaped", "(4, 3)"), ("flattened", "(12,)")])
+def test_a_return_in_another_shape_fails_naming_both_shapes(tmp_path, name, shape):
+    code, out = judge(tmp_path, name)
+    assert code == 1 and out["grade"] == "fail"
+    reasons = {f["check"]: f["reason"] for f in out["failures"]}
+    assert reasons["holdings: 2-D and 3-D arrays"] == (
+        f"ranks 0, 1, 2 returned no clip: returned array 0 of shape {shape} for one of shape (3, 4)"
+    )
+    assert not any(c.startswith("contract") for c in reasons)  # 1-D arrays keep their shape either way
+
+
+def test_an_array_left_out_on_each_rank_gets_a_hint(tmp_path):
+    code, out = judge(tmp_path, "drops_last_array")
+    assert code == 1 and out["fingerprint"] == "unknown"
+    (failure,) = [f for f in out["failures"] if f["check"] == "holdings: every rank holds three arrays"]
+    # each rank holds arrays of 3, 1 and 5 values: the 5 are left out on every rank
+    assert failure["scales"][-1].endswith("is the norm without each rank's last array")
+
+
+def test_a_float32_sum_of_squares_is_a_near_miss_as_in_one_process(tmp_path):
+    code, out = judge(tmp_path, "float32_sum_of_squares", "--random", "40")
+    assert code == 1 and out["grade"] == "near miss" and out["fingerprint"] == "unknown"
+    size = float(out["near_miss"].split("off by at most ")[1].split()[0])
+    assert 1e-9 < size < 1e-6  # float32's rounding, not more
+    assert out["near_miss"].endswith("on 1 check with a norm above 1.8e+19 (float32 overflows) by up to 1")
+    scales = {f["check"]: f["scales"] for f in out["failures"]}
+    assert not any("as expected" in line for lines in scales.values() for line in lines)
+    rounding = "(rounding, e.g. float32 arithmetic)"
+    assert scales["holdings: only rank 0 holds arrays"][-1].endswith(rounding)  # no local-norm hint
+    assert scales["dtypes: float32 and float64 on each rank"][-1].endswith(rounding)
+    assert "its sum of squares overflowed" in scales["edge: huge values (squares near 1e200)"][-1]
+
+
 def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):
     code, out = judge(tmp_path, "skip", *HANG)
     assert code == 1 and out["fingerprint"] == "skip-collective"
@@ -217,6 +300,16 @@ def test_a_rank_that_skips_the_collective_is_a_hang_naming_the_ranks(tmp_path):
     assert [r["outcome"] for r in first["ranks"]] == ["did not finish", "did not finish", "returned"]
     assert first["ranks"][0]["collectives"] == ["allreduce"] and first["ranks"][2]["collectives"] == []
     assert out["stopped"].startswith("3 cases hung")
+
+
+@pytest.mark.parametrize("name", ["skip_on_world", "skip_on_imported_world"])
+def test_a_skipped_collective_on_comm_world_is_named_too(tmp_path, name):
+    code, out = judge(tmp_path, name, "--random", "0", *HANG)
+    assert code == 1 and out["fingerprint"] == "skip-collective"
+    assert out["failures"][0]["reason"] == (
+        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 3 s)"
+    )
+    assert out["failures"][0]["ranks"][0]["collectives"] == ["allreduce"]
 
 
 @pytest.mark.parametrize(
@@ -265,6 +358,23 @@ def test_text_verdict_of_a_hang(tmp_path):
     assert proc.stdout.count("verdict: FAIL") == 1
 
 
+def test_text_verdict_of_a_deadlock_points_to_the_reasons_not_to_scales(tmp_path):
+    path = tmp_path / "deadlock.py"
+    path.write_text(HEAD + textwrap.dedent(FUNCTIONS["deadlock"]))
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    env["TMPDIR"] = str(jobs)
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", "3", "--random", "0", *HANG]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "fingerprint: unknown (it fails like no bug of the gallery: see the reasons below)" in proc.stdout
+    assert "scale" not in proc.stdout  # a hang has no scales to show
+    assert "    reason   deadlock: rank 0 waited in recv, ranks 1, 2 waited in allreduce" in proc.stdout
+    left = subprocess.run(["pgrep", "-f", str(jobs)], capture_output=True, text=True)
+    assert left.stdout == "", f"left running: {left.stdout}"
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -300,6 +410,55 @@ def test_a_missing_function_is_a_usage_error_found_by_the_ranks(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "no function 'clip'" in proc.stderr
+
+
+LOADS = {
+    # rank 1 never finishes loading the file; the others do, and wait for it
+    "hangs_at_import": """
+if MPI.COMM_WORLD.Get_rank() == 1:
+    time.sleep(600)
+
+def clip(grads, max_norm, comm):
+    return grads
+""",
+    "raises_at_import": """
+if MPI.COMM_WORLD.Get_rank() == 2:
+    raise RuntimeError("no config on rank 2")
+
+def clip(grads, max_norm, comm):
+    return grads
+""",
+}
+
+
+@pytest.mark.parametrize(
+    "name,error",
+    [
+        (
+            "hangs_at_import",
+            "rank 1 was still loading it (running the file's top level) 10 s after ranks 0, 2",
+        ),
+        ("raises_at_import", "RuntimeError: no config on rank 2 (on rank 2 only)"),
+    ],
+)
+def test_a_file_that_cannot_load_on_one_rank_names_it(tmp_path, name, error):
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEAD + textwrap.dedent(LOADS[name]))
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    env["TMPDIR"] = str(jobs)
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:clip", "--ranks", "3", "--json", *HANG]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert time.monotonic() - started < 60  # the load lag (10 s) and a job's start, not 120 s
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    assert out["passed"] is False and out["target"] == f"{path}:clip"
+    assert out["error"].startswith(f"cannot load {path}") and error in out["error"]
+    assert proc.stderr.strip() == f"gclip.conformance: error: {out['error']}"  # one line
+    left = subprocess.run(["pgrep", "-f", str(jobs)], capture_output=True, text=True)
+    assert left.stdout == "", f"left running: {left.stdout}"
 
 
 def test_under_mpirun_the_judge_refuses_once(tmp_path):

@@ -19,6 +19,7 @@ TARGETS = Path(__file__).resolve().parent / "judge_targets"
 
 def _pytest_mpi(n: int, suite: str, timeout: float = 300) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi"]
+    args += ["-W", "error:gclip.testing.assert_conforms on 1 rank"]  # never said on several ranks
     return mpirun.run(n, *args, str(TARGETS / suite), timeout=timeout)
 
 
@@ -34,6 +35,25 @@ def test_assert_conforms_passes_and_fails_alike_on_every_rank():
     assert fingerprint.startswith("fingerprint: max-of-norms:")
 
 
+def test_on_one_rank_a_per_rank_clip_passes_but_with_a_warning():
+    import numpy as np
+    import pytest
+    from mpi4py import MPI
+
+    from gclip.testing import assert_conforms
+
+    def per_rank(grads, max_norm, comm):  # each rank by its own norm: the global one on 1 rank
+        norm = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in grads)))
+        return [g * (min(1.0, max_norm / norm) if norm > 0 else 1.0) for g in grads]
+
+    with pytest.warns(UserWarning) as caught:
+        assert_conforms(per_rank, comm=MPI.COMM_SELF, random=3)
+    (warning,) = caught
+    assert str(warning.message).startswith("gclip.testing.assert_conforms on 1 rank: a per-rank clip")
+    assert "\n" not in str(warning.message) and warning.filename == __file__
+    # on 3 ranks it never warns: the suites run with this warning as an error (_pytest_mpi)
+
+
 def test_a_hanging_clip_aborts_the_suite_with_the_ranks_named():
     proc = _pytest_mpi(3, "hang_suite.py", timeout=120)
     assert proc.returncode not in (0, mpirun.TIMED_OUT), proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -44,6 +64,20 @@ def test_a_hanging_clip_aborts_the_suite_with_the_ranks_named():
     assert message in proc.stderr, proc.stderr[-4000:]
     assert proc.stderr.count(message) == 1  # said once, by rank 0
     left = subprocess.run(["pgrep", "-f", str(TARGETS / "hang_suite.py")], capture_output=True, text=True)
+    assert left.stdout == ""
+
+
+def test_a_collective_skipped_on_comm_world_is_named_too():
+    proc = _pytest_mpi(3, "hang_world_suite.py", timeout=120)
+    assert proc.returncode not in (0, mpirun.TIMED_OUT), proc.stdout[-4000:] + proc.stderr[-4000:]
+    message = (
+        "gclip.testing.assert_conforms(skips_on_world): contract N=1: norm spans two shards: "
+        "rank 2 returned without entering the collective; ranks 0, 1 waited in allreduce (ended after 3 s)"
+    )
+    assert proc.stderr.count(message) == 1, proc.stderr[-4000:]
+    left = subprocess.run(
+        ["pgrep", "-f", str(TARGETS / "hang_world_suite.py")], capture_output=True, text=True
+    )
     assert left.stdout == ""
 
 

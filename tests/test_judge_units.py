@@ -99,6 +99,21 @@ def test_implied_norm_and_its_hints():
     assert "times the global norm" in implied.norm_hints(40.0, sumsq, counts, "rank")[0]
 
 
+def test_each_ranks_first_or_last_array_left_out_is_a_hint():
+    # rank 0 holds arrays of norms 3 and 4, rank 1 one of norm 12, rank 2 none: global norm 13
+    parts = [[9.0, 16.0], [144.0], []]
+    sumsq, counts = [25.0, 144.0, 0.0], [2, 1, 0]
+    assert implied.norm_hints(3.0, sumsq, counts, "rank", parts=parts) == [
+        "the norm without each rank's last array"  # sqrt(9): rank 0's 4 and rank 1's 12 left out
+    ]
+    assert implied.norm_hints(4.0, sumsq, counts, "rank", parts=parts) == [
+        "the norm without each rank's first array"
+    ]
+    assert "each rank" not in " ".join(implied.norm_hints(3.0, sumsq, counts, "rank"))  # without parts
+    # copies counted (a layout's global norm is below the sum): no such hint
+    assert "each rank" not in " ".join(implied.norm_hints(3.0, sumsq, counts, "rank", 1e-9, 12.0, parts))
+
+
 def test_unit_lines_name_the_ranks_own_norms():
     before = [[np.array([3.0])], [np.array([4.0])]]
     after = [[np.array([3.0 * 2 / 3])], [np.array([4.0 * 0.5])]]  # each clipped to 2 by its own norm
@@ -108,6 +123,68 @@ def test_unit_lines_name_the_ranks_own_norms():
     assert "different scales" in lines[1]
     assert lines[2] == "  rank 0: scale 0.666667 (implies norm 3): its own norm"
     assert lines[3] == "  rank 1: scale 0.5 (implies norm 4): its own norm"
+
+
+def test_a_scale_off_by_a_rounding_is_said_so_not_as_expected():
+    # rank 0 holds float64 values (its scale known to ~1e-11), rank 1 float32 ones (to ~2e-6);
+    # both applied 0.4 * (1 + 5e-8): a norm summed in float32, off by that much
+    off = 0.4 * (1 + 5e-8)
+    before = [[np.array([3.0])], [np.array([4.0], dtype=np.float32)]]
+    after = [[b[0] * off] for b in before]
+    units = [implied.applied(b, a, t) for b, a, t in zip(before, after, (1e-11, 2e-6))]
+    lines = implied.unit_lines(
+        "rank", units, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 2e-6, precision=[1e-11, 2e-6]
+    )
+    assert "as expected" not in lines[1]
+    assert lines[1].endswith("on every rank, +5e-08 relative off the expected")
+    assert lines[2].endswith("is the global norm off by -5e-08 relative (rounding, e.g. float32 arithmetic)")
+    # known only as precisely as float32 allows, the same scale is the expected one
+    loose = implied.unit_lines("rank", units, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 2e-6, precision=[2e-6] * 2)
+    assert loose[1].endswith("as expected")
+
+
+def test_norms_equal_to_the_global_one_are_no_hint():
+    # only rank 0 holds values: its own norm, the sum and the largest of the local norms are the global
+    # norm, so a norm off by 6e-8 is a rounding, not one of them
+    hints = implied.norm_hints(5.0 * (1 - 6e-8), [25.0, 0.0, 0.0], [2, 0, 0], "rank", implied.SAME)
+    assert hints == ["the global norm off by -6e-08 relative (rounding, e.g. float32 arithmetic)"]
+
+
+def test_an_overflowed_norm_is_said_so():
+    before = [[np.array([3e100, 4e100])]]
+    units = [implied.applied(before[0], [np.zeros(2)], 1e-11)]
+    lines = implied.unit_lines("rank", units, [25e200], [2], 1e100, 0.2, 5e100)
+    assert lines[1] == "applied: the same scale 0 (implies norm inf) on every rank"
+    assert lines[2] == (
+        "  the implied norm is inf, the global norm 5e+100: its sum of squares overflowed "
+        "(in float32 it does above a norm of 1.8e+19)"
+    )
+
+
+def test_grade_counts_norms_beyond_float32_apart_only_beside_near_misses():
+    from gclip.conformance.verdict import grade
+
+    norms, errors = [1.0, 2.0, 1e100, 3.0], [1e-7, 2e-7, 1.0, 0.0]
+    level, how = grade(norms, errors, [0, 1, 2], None, None)
+    assert level == "near miss"
+    assert how == (
+        "off by at most 2e-07 relative; on 1 check with a norm above 1.8e+19 (float32 overflows) by up to 1"
+    )
+    assert grade(norms, [1e-7, 1e-3, 1.0, 0.0], [0, 1, 2], None, None)[0] == "fail"  # far off in range
+    assert grade(norms, [0.0, 0.0, 1.0, 0.0], [2], None, None)[0] == "fail"  # only the overflow fails
+
+
+def test_torchs_clip_on_each_shard_is_labelled_its_own_norm_plus_the_epsilon():
+    before = [[np.array([3.0])], [np.array([4.0])]]
+    after = [[np.array([3.0 * 2 / (3 + 1e-6)])], [np.array([4.0 * 2 / (4 + 1e-6)])]]
+    units = [implied.applied(b, a, 1e-11) for b, a in zip(before, after)]
+    lines = implied.unit_lines("rank", units, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 1e-11)
+    assert lines[2] == "  rank 0: scale 0.666666 (implies norm 3): its own norm + 1e-6 (torch's epsilon)"
+    assert lines[3] == "  rank 1: scale 0.5 (implies norm 4): its own norm + 1e-6 (torch's epsilon)"
+    exact = [implied.applied(b, [b[0] * (2 / n)], 1e-11) for b, n in zip(before, (3.0, 4.0))]
+    assert implied.unit_lines("rank", exact, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, 1e-11)[2].endswith(
+        "(implies norm 3): its own norm"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +275,7 @@ def test_every_return_of_the_same_layout_is_accepted():
         iter(halves),
         (halves, 2.0),
         ClipResultLike(),
-        [list(h.ravel()) for h in halves],
+        [h.tolist() for h in halves],
     ):
         arrays, why = returned_arrays(value, given)
         assert why is None, why
@@ -216,11 +293,27 @@ def test_every_return_of_the_same_layout_is_accepted():
         ([np.zeros(3)], "returned 1 arrays for the 2"),
         ([np.zeros(3), np.zeros(3)], "array 1 with 3 values, given 4"),
         ([np.zeros(3), np.array(["a"] * 4)], "not numbers"),
+        # the values all there, in another shape: an optimizer would break
+        ([np.zeros(3), np.zeros(4)], "returned array 1 of shape (4,) for one of shape (2, 2)"),
+        ([np.zeros(3), [0.0, 0.0, 0.0, 0.0]], "returned array 1 of shape (4,) for one of shape (2, 2)"),
+        ([np.zeros((3, 1)), np.zeros((2, 2))], "returned array 0 of shape (3, 1) for one of shape (3,)"),
     ],
 )
 def test_returns_that_are_no_clip_say_why(value, reason):
     arrays, why = returned_arrays(value, [np.zeros(3), np.zeros((2, 2))])
     assert arrays is None and reason in why
+
+
+def test_a_transposed_return_is_no_clip_but_an_empty_list_is_any_empty_array():
+    given = [np.ones((3, 4)), np.ones((2, 3, 2)), np.zeros((0, 3))]
+    arrays, why = returned_arrays([given[0].T, given[1], given[2]], given)
+    assert arrays is None and why == "returned array 0 of shape (4, 3) for one of shape (3, 4)"
+    arrays, why = returned_arrays([given[0], given[1].reshape(2, 2, 3), []], given)
+    assert arrays is None and why == "returned array 1 of shape (2, 2, 3) for one of shape (2, 3, 2)"
+    arrays, why = returned_arrays([g.tolist() for g in given], given)  # [] for the (0, 3) array
+    assert why is None and [a.shape for a in arrays] == [(3, 4), (2, 3, 2), (0, 3)]
+    arrays, why = returned_arrays([given[0], given[1], np.zeros(0)], given)  # an array keeps its shape
+    assert arrays is None and why == "returned array 2 of shape (0,) for one of shape (0, 3)"
 
 
 def test_arrays_travel_exactly():

@@ -14,12 +14,18 @@ See docs/judge.md for a test file to copy.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from .conformance.diagnosis import Diagnosis, diagnose
 
-__all__ = ["Diagnosis", "assert_conforms", "diagnose"]
+__all__ = ["ONE_RANK", "Diagnosis", "assert_conforms", "diagnose"]
+
+ONE_RANK = (
+    "gclip.testing.assert_conforms on 1 rank: a per-rank clip is the global clip there, so it would pass; "
+    "run the test on 2 ranks or more (mpirun -n 2 python -m pytest --with-mpi ...)"
+)
 
 
 def assert_conforms(
@@ -43,12 +49,15 @@ def assert_conforms(
     aborts the job (with a message naming the ranks that hung).
 
     Raises AssertionError, with the same message on every rank, naming the
-    gallery bug ``fn`` reproduces when it is one.
+    gallery bug ``fn`` reproduces when it is one. On one rank it warns
+    (``UserWarning``): a per-rank clip cannot be told from the global one there.
     """
     from ._validate import communicator
     from .conformance.inprocess import conforms
 
     comm = communicator(comm)
+    if comm.Get_size() == 1:
+        warnings.warn(ONE_RANK, stacklevel=2)
     if isinstance(random, bool) or not isinstance(random, int) or random < 0:
         raise ValueError(f"random must be a whole number >= 0, got {random!r}")
     if not timeout > 0:

@@ -28,7 +28,7 @@ from .._lab.cli import ArgParser, UsageError, entry, in_range, internal_error
 from .._lab.jsonout import dumps
 from . import dreport
 from .report import as_json, report
-from .target import parse_target
+from .target import LoadError, parse_target
 from .verdict import judge
 
 __all__ = [
@@ -192,16 +192,21 @@ def _main(argv: Sequence[str] | None) -> int:
     _refuse_launcher(args, argv)
     if args.random is None:
         args.random = DEFAULT_RANDOM_LAYOUT if args.layout is not None else DEFAULT_RANDOM
-    if args.ranks is not None or args.torch or args.layout is not None:
-        passed, text = _distributed(args)
-    else:
-        target = parse_target(args.target)
-        verdict = judge(target, args.random, args.seed, args.timeout)
-        passed = verdict.passed
-        if args.json:
-            text = dumps(as_json(verdict, args.random, args.seed, args.timeout))
+    try:
+        if args.ranks is not None or args.torch or args.layout is not None:
+            passed, text = _distributed(args)
         else:
-            text = "\n".join(report(verdict, args.random, args.seed))
+            target = parse_target(args.target)
+            verdict = judge(target, args.random, args.seed, args.timeout)
+            passed = verdict.passed
+            if args.json:
+                text = dumps(as_json(verdict, args.random, args.seed, args.timeout))
+            else:
+                text = "\n".join(report(verdict, args.random, args.seed))
+    except LoadError as exc:  # still exit 2, with its line; a --json reader gets an object too
+        if args.json:
+            print(dumps({"target": args.target, "passed": False, "error": str(exc)}), flush=True)
+        raise
     try:
         print(text, flush=True)
     except BrokenPipeError:  # e.g. piped into `head`: the reader has all it wanted

@@ -145,15 +145,25 @@ def _hints(case: DistCase, run: CaseRun) -> list[str]:
     """The scale each rank applied and the norm it implies (only when every rank gave values)."""
     if any(rank.kind != "value" for rank in run.ranks):
         return []
-    units, tols = [], []
+    units, tols, sharp = [], [], []
     for given, rank in zip(case.ranks, run.ranks):
         rtol = max((rtol_of(x.dtype) for x in given), default=RTOL["float64"])
-        units.append(implied.applied(given, rank.value or [], rtol))
+        unit = implied.applied(given, rank.value or [], rtol)
+        # the scale from the rank's most precise arrays alone (float64 where it has some)
+        best = min((rtol_of(x.dtype) for x in given if np.any(x)), default=rtol)
+        pairs = [(x, y) for x, y in zip(given, rank.value or []) if rtol_of(x.dtype) == best]
+        precise = implied.applied([x for x, _ in pairs], [y for _, y in pairs], best)
+        if precise.scale is not None:
+            unit = unit._replace(scale=precise.scale)
+        units.append(unit)
         tols.append(rtol)
-    sumsq = [math.fsum(float(np.sum(np.square(x, dtype=np.float64))) for x in r) for r in case.ranks]
+        sharp.append(best)
+    parts = [[float(np.sum(np.square(x, dtype=np.float64))) for x in r] for r in case.ranks]
+    sumsq = [math.fsum(p) for p in parts]
     counts = [sum(x.size for x in r) for r in case.ranks]
+    rtol = max(max(tols), implied.SAME)
     return implied.unit_lines(
-        "rank", units, sumsq, counts, case.max_norm, case.scale, case.norm, max(max(tols), implied.SAME)
+        "rank", units, sumsq, counts, case.max_norm, case.scale, case.norm, rtol, precision=sharp, parts=parts
     )
 
 

@@ -30,6 +30,9 @@ __all__ = [
 
 SAME = 1e-9  # two float64 scales closer than this (relative) are the same scale
 NEAR_FLOAT32 = 3e-6  # a norm off by at most this (relative) was computed in lower precision
+# above these norms a sum of squares overflows when it is computed in float32 (float16)
+FLOAT32_NORM = math.sqrt(float(np.finfo(np.float32).max))
+FLOAT16_NORM = math.sqrt(float(np.finfo(np.float16).max))
 
 
 class Applied(NamedTuple):
@@ -86,10 +89,11 @@ def scale_words(scale: float | None, max_norm: float, digits: int = 6) -> str:
     return f"scale {scale:.{digits}g} (implies norm {norm:.{digits}g})"
 
 
-def digits_to_tell(a: float, b: float) -> int:
-    """Significant digits that show two close numbers apart (6 when they are far apart)."""
+def digits_to_tell(a: float, b: float, same: float = SAME) -> int:
+    """Significant digits that show two close numbers apart (6 when they are far apart, or
+    closer than ``same``, relative)."""
     gap = abs(a - b) / max(abs(a), abs(b), 1e-300)
-    if gap <= SAME or gap >= 1e-5:
+    if gap <= same or gap >= 1e-5:
         return 6
     return min(15, math.ceil(-math.log10(gap)) + 2)
 
@@ -101,6 +105,7 @@ def norm_hints(
     kind: str,
     rtol: float = SAME,
     global_norm: float | None = None,
+    parts: Sequence[Sequence[float]] | None = None,
 ) -> list[str]:
     """What a norm equals, among the norms a clip may compute by mistake.
 
@@ -108,7 +113,9 @@ def norm_hints(
     count; ``rtol`` how close it must be to be the global norm (the values'
     precision). Returns phrases such as "the norm without rank 2", best first.
     ``global_norm``: the true one when units hold copies (a layout), so that
-    the sum over units counts some values more than once.
+    the sum over units counts some values more than once. ``parts[u]``: unit
+    u's sum of squares array by array, when a unit holds several (a rank's
+    list): then each unit's first or last array left out is a candidate too.
     """
     local = [math.sqrt(s) for s in sumsq]
     total = math.fsum(sumsq)
@@ -118,6 +125,12 @@ def norm_hints(
     candidates: list[tuple[str, float]] = [("the global norm", exact)]
     if abs(every - exact) > rtol * exact:
         candidates.append((f"the norm of every value on every {kind}, copies counted each time", every))
+    elif parts is not None:  # an off-by-one over each unit's list (copies would blur it)
+        for which, pick in (("first", 0), ("last", -1)):
+            left = math.fsum(p[pick] for p in parts if p)
+            candidates.append(
+                (f"the norm without each {kind}'s {which} array", math.sqrt(max(0.0, total - left)))
+            )
     if units > 1:
         for k in range(units):
             if sumsq[k] > 0:
@@ -137,10 +150,15 @@ def norm_hints(
     if exact > 0 and abs(norm - exact) <= rtol * exact:
         return ["the global norm"]
     loose = max(rtol, 1e-7)
-    found = [name for name, value in candidates[1:] if value > 0 and abs(norm - value) <= loose * value]
+    # a candidate equal to the global norm here (one rank holds every value) explains no difference
+    found = [
+        name
+        for name, value in candidates[1:]
+        if value > 0 and abs(norm - value) <= loose * value and abs(value - exact) > loose * exact
+    ]
     if not found and exact > 0:
         off = (norm - exact) / exact
-        if abs(norm - exact - 1e-6) <= 1e-7 + rtol * exact:
+        if abs(norm - exact - 1e-6) <= 1e-8 + rtol * exact:  # 1e-6 give or take 1%, or the precision
             found.append("the global norm + 1e-6 (an epsilon added to the norm, as torch does)")
         elif abs(off) <= NEAR_FLOAT32:
             found.append(f"the global norm off by {off:+.2g} relative (rounding, e.g. float32 arithmetic)")
@@ -158,13 +176,20 @@ def unit_lines(
     expected_scale: float,
     global_norm: float,
     rtol: float = SAME,
+    precision: Sequence[float] | None = None,
+    parts: Sequence[Sequence[float]] | None = None,
 ) -> list[str]:
     """Short lines for a learner: the scale each unit applied, against the expected one.
 
-    ``rtol``: how close two scales must be to count as one (the values' precision)."""
+    ``rtol``: how close two units' scales must be to count as one (the values' precision);
+    ``precision``: per unit, how precisely its scale is known (default ``rtol``): where every
+    unit applied one scale, the most precise unit's is compared with the expected one."""
     told = [(u, a) for u, a in enumerate(applied_by_unit) if a.scale is not None]
     scales = [a.scale or 0.0 for _, a in told]
-    digits = max([digits_to_tell(s, expected_scale) for s in scales] or [6])
+    known = [rtol] * len(applied_by_unit) if precision is None else list(precision)
+    digits = max(
+        [digits_to_tell(a.scale or 0.0, expected_scale, min(known[u], SAME)) for u, a in told] or [6]
+    )
     lines = [
         f"expected: scale {expected_scale:.{digits}g} on every {kind} "
         f"(global norm {global_norm:.{digits}g}, max_norm {max_norm:g})"
@@ -179,16 +204,25 @@ def unit_lines(
             f"{kind}s {', '.join(map(str, odd))}: not one scale (values scaled by different factors)"
         )
     if all(same_scale(s, scales[0], rtol) for s in scales):
-        s = scales[0]
+        best = min(told, key=lambda ua: known[ua[0]])
+        s, sharp = best[1].scale or 0.0, known[best[0]]
         words = scale_words(s, max_norm, digits)
-        if same_scale(s, expected_scale, rtol):
+        if same_scale(s, expected_scale, sharp):
             lines.append(f"applied: the same {words} on every {kind}, as expected")
             return lines
-        lines.append(f"applied: the same {words} on every {kind}")
+        if same_scale(s, expected_scale, rtol):  # within the values' precision, yet the case fails
+            off = (s - expected_scale) / expected_scale
+            lines.append(f"applied: the same {words} on every {kind}, {off:+.2g} relative off the expected")
+        else:
+            lines.append(f"applied: the same {words} on every {kind}")
         norm = implied_norm(s, max_norm)
         if norm is not None and math.isfinite(norm):
-            hints = norm_hints(norm, sumsq, counts, kind, rtol, global_norm)
+            hints = norm_hints(norm, sumsq, counts, kind, sharp, global_norm, parts)
             lines.append(f"  the implied norm {norm:.{digits}g} is {'; or '.join(hints)}")
+        elif norm == math.inf and 0 < global_norm < math.inf:
+            lines.append(
+                f"  the implied norm is inf, the global norm {global_norm:.6g}: {_overflow(global_norm)}"
+            )
         elif abs(s - 1.0) <= SAME:
             lines.append(f"  left unchanged although the global norm {global_norm:.6g} is above max_norm")
         return lines
@@ -197,7 +231,19 @@ def unit_lines(
         norm = implied_norm(a.scale, max_norm)
         own = ""
         if norm is not None and math.isfinite(norm) and sumsq[u] > 0:
-            if abs(norm - math.sqrt(sumsq[u])) <= max(rtol, 1e-7) * norm:
+            mine = math.sqrt(sumsq[u])
+            if abs(norm - mine) <= max(rtol, 1e-7) * norm:
                 own = ": its own norm"
+            elif abs(norm - mine - 1e-6) <= 1e-8 + rtol * norm:  # torch's clip_grad_norm_ on its shard
+                own = ": its own norm + 1e-6 (torch's epsilon)"
         lines.append(f"  {kind} {u}: {scale_words(a.scale, max_norm, digits)}{own}")
     return lines
+
+
+def _overflow(global_norm: float) -> str:
+    """Why a clip may have seen an infinite norm where the global one is finite."""
+    if global_norm >= FLOAT32_NORM:
+        return f"its sum of squares overflowed (in float32 it does above a norm of {FLOAT32_NORM:.2g})"
+    if global_norm >= FLOAT16_NORM:
+        return f"its sum of squares overflowed (in float16 it does above a norm of {FLOAT16_NORM:.3g})"
+    return "a scale of 0 (did its norm overflow?)"

@@ -234,6 +234,7 @@ def conforms(
     dog = _Watchdog(watch, timeout, name, folder)
     previous = recorder.current()
     rec = recorder.install(recorder.Recorder(dog.sink))
+    restore_world = recorder.record_world()  # fn's MPI.COMM_WORLD records too, while it is judged
     dog.start()
     mine: list[dict] = []
     try:
@@ -254,6 +255,7 @@ def conforms(
         dog.stop.set()
         dog.join()
         dog.close()
+        restore_world()
         if previous is not None:
             recorder.install(previous)
     side.Barrier()  # every rank is done with the folder

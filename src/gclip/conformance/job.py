@@ -8,6 +8,11 @@ start; if it does not, or a rank dies, the judge reads the ranks' traces
 ranks gave their pids first thing; mpirun then exits, and ``run``'s own
 timeout is the backstop that ends the whole job), checks that no rank is
 left, and starts a fresh job at the next case, up to ``MAX_LOST`` times.
+
+Loading the file is watched too: a rank still loading it ``LOAD_LAG`` seconds
+(or ``timeout``, if longer) after another rank has loaded it (its top level
+sleeps, loops or waits on that rank), or every rank still loading it after
+``START_TIMEOUT``, is a ``LoadError`` that names those ranks, and the job is ended.
 """
 
 from __future__ import annotations
@@ -25,15 +30,16 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .._lab import mpirun
-from .._lab.cli import UsageError
 from . import hangs
+from .hangs import rank_list
 from .outcome import CaseRun, RankRun, decode
-from .target import Target
+from .target import LoadError, Target
 
-__all__ = ["MAX_LOST", "POLL_S", "START_TIMEOUT", "JobSpec", "Runs", "run_cases"]
+__all__ = ["LOAD_LAG", "MAX_LOST", "POLL_S", "START_TIMEOUT", "JobSpec", "Runs", "run_cases"]
 
 MAX_LOST = 3  # cases that hang or kill a rank before the judge stops
 START_TIMEOUT = 120.0  # seconds for every rank to start and load the function (torch is slow)
+LOAD_LAG = 10.0  # seconds (or --timeout, if longer) a rank may still be loading after another loaded
 POLL_S = 0.01
 
 
@@ -78,7 +84,7 @@ class _Rank:
             kind = ev["e"]
             if kind == "hello":
                 self.pid = ev["pid"]
-            elif kind in ("ready", "usage", "end"):
+            elif kind in ("loading", "ready", "usage", "end"):
                 self.flags[kind] = ev
             elif kind == "done":
                 self.done = ev["c"]
@@ -221,7 +227,7 @@ def run_cases(spec: JobSpec, cases: Sequence[Any]) -> Runs:
             runs += outcome.runs
             note = note or outcome.note
             if outcome.usage is not None:
-                raise UsageError(outcome.usage)
+                raise LoadError(outcome.usage)
             if outcome.lost is None:
                 break
             lost += 1
@@ -246,6 +252,7 @@ class _Watched(NamedTuple):
 def _watch(job: _Job, spec: JobSpec, first: int, total: int) -> _Watched:
     """Tail the ranks until the job ends, a case overruns ``spec.timeout``, or a rank dies."""
     started = time.monotonic()
+    first_loaded: float | None = None  # when a rank was first seen to have loaded the file
     runs: list[CaseRun] = []
     case = first
     case_start: float | None = None
@@ -254,8 +261,8 @@ def _watch(job: _Job, spec: JobSpec, first: int, total: int) -> _Watched:
         ended = job.finished()  # before reading: then every event of an ended job is read
         job.poll()
         ranks = job.ranks
-        usage = next((r.flags["usage"]["msg"] for r in ranks if "usage" in r.flags), None)
-        if usage is not None:
+        if any("usage" in r.flags for r in ranks):
+            usage = _usage(job)
             job.end()
             return _Watched(runs, None, usage, note)
         ready = all("ready" in r.flags for r in ranks)
@@ -277,14 +284,21 @@ def _watch(job: _Job, spec: JobSpec, first: int, total: int) -> _Watched:
             job.end()
             if not ready:
                 tail = " / ".join(output.strip().splitlines()[-3:]) or "no output"
-                raise UsageError(f"cannot run {spec.target}: the job ended while loading it ({tail})")
+                unloaded = _who([i for i, r in enumerate(ranks) if "ready" not in r.flags])
+                raise LoadError(
+                    f"cannot load {spec.target}: the job ended before {unloaded} had loaded it ({tail})"
+                )
             died = _deaths(ranks, case)
             runs.append(_case_run(job, case, died, None))
             return _Watched(runs, runs[-1].lost, None, note)
         now = time.monotonic()
-        if not ready and now - started > START_TIMEOUT:
-            job.end()
-            raise RuntimeError(f"the ranks did not start within {START_TIMEOUT:g} s")
+        if not ready:
+            if first_loaded is None and any("ready" in r.flags for r in ranks):
+                first_loaded = now
+            lag = max(spec.timeout, LOAD_LAG)
+            if (first_loaded is not None and now - first_loaded > lag) or now - started > START_TIMEOUT:
+                job.end()
+                raise _not_loaded(spec, ranks, lag if first_loaded is not None else None)
         if case_start is not None and now - case_start > spec.timeout:
             job.poll()
             run = _case_run(job, case, {}, spec.timeout)
@@ -292,6 +306,43 @@ def _watch(job: _Job, spec: JobSpec, first: int, total: int) -> _Watched:
             runs.append(run)
             return _Watched(runs, run.lost, None, note)
         time.sleep(POLL_S)
+
+
+def _usage(job: _Job, wait: float = 2.0) -> str:
+    """A rank could not load the file: its message, naming the ranks when some others could
+    (waiting ``wait`` seconds at most for every rank to say which)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(
+        "ready" in r.flags or "usage" in r.flags for r in job.ranks
+    ):
+        time.sleep(POLL_S)
+        job.poll()
+    failed = [i for i, r in enumerate(job.ranks) if "usage" in r.flags]
+    message = job.ranks[failed[0]].flags["usage"]["msg"]
+    return message if len(failed) == len(job.ranks) else f"{message} (on {_who(failed)} only)"
+
+
+def _who(ranks: Sequence[int]) -> str:
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_list(ranks)}"
+
+
+def _not_loaded(spec: JobSpec, ranks: Sequence[_Rank], lag: float | None) -> Exception:
+    """The ranks still loading the file (its top level hangs on them), or the job that never started.
+
+    ``lag``: the seconds they were given after another rank had loaded it (None: no rank had)."""
+    loaded = [i for i, r in enumerate(ranks) if "ready" in r.flags]
+    loading = [i for i, r in enumerate(ranks) if "loading" in r.flags and "ready" not in r.flags]
+    if not loading:
+        return RuntimeError(f"the ranks did not start within {START_TIMEOUT:g} s")
+    if lag is None:
+        when = f"{START_TIMEOUT:g} s after the job started"
+    else:
+        when = f"{lag:g} s after {_who(loaded)} had loaded it"
+    was = "was" if len(loading) == 1 else "were"
+    return LoadError(
+        f"cannot load {spec.target}: {_who(loading)} {was} still loading it "
+        f"(running the file's top level) {when}"
+    )
 
 
 def _kinds(rank: _Rank, case: int) -> set[str]:

@@ -2,7 +2,8 @@
 
 The function may return the clipped list, a tuple, any iterable of arrays,
 ``gclip``'s ``ClipResult``, a ``(grads, norm)`` pair, or None when it clipped
-in place: all of these are the same layout. Arrays travel to the judge as
+in place: all of these are the same layout, when each array keeps its shape
+(nested lists as ``tolist()`` gives them count). Arrays travel to the judge as
 JSON (dtype, shape, values as float64, exact for float32 and float64).
 """
 
@@ -86,14 +87,18 @@ def returned_arrays(value: Any, given: Sequence[np.ndarray]) -> tuple[list[np.nd
             "(return the clipped list, or None after clipping in place)"
         )
     try:
-        items = [_as_array(v) for v in value]
+        raw = list(value)
+        items = [_as_array(v) for v in raw]
     except Exception as exc:  # noqa: BLE001 - whatever the return holds
         return None, f"returned something that is not arrays ({type(exc).__name__}: {exc})"
     if len(items) != len(given):
         return None, f"returned {len(items)} arrays for the {len(given)} it was given"
-    for i, (got, was) in enumerate(zip(items, given)):
+    for i, (got, was, item) in enumerate(zip(items, given, raw)):
         if got.size != was.size:
             return None, f"returned array {i} with {got.size} values, given {was.size}"
         if got.dtype.kind not in "fiu":
             return None, f"returned array {i} of dtype {got.dtype}, not numbers"
+        # an optimizer needs each array in its own shape; only an empty list stands for any empty shape
+        if got.shape != was.shape and not (was.size == 0 and isinstance(item, (list, tuple))):
+            return None, f"returned array {i} of shape {got.shape} for one of shape {was.shape}"
     return [np.asarray(g).reshape(w.shape) for g, w in zip(items, given)], None

@@ -3,8 +3,9 @@
 The judge writes ``JOBDIR/job.json`` (what to load, how to call it, the first
 case to run) and ``JOBDIR/cases.pkl``; every rank appends one JSON line per
 event to ``JOBDIR/rank<R>.jsonl``: hello (its pid, so the judge can end it),
-ready, then per case start, each collective entered and left (see
-``recorder``), the outcome, and done once every rank has finished the case.
+loading and ready (before and after loading the file), then per case start,
+each collective entered and left (see ``recorder``), the outcome, and done
+once every rank has finished the case.
 
 Between cases the ranks meet in a barrier on a communicator of the judge's
 own, never the one the function gets: a rank that skipped the function's
@@ -103,6 +104,7 @@ def main(jobdir: str) -> int:
     private = world.Dup()  # the judge's barrier, apart from whatever the function does
     comm = recorder.recorded(world.Dup())
     rec = recorder.install(recorder.Recorder(sink))
+    recorder.record_world()  # before the file is loaded: its COMM_WORLD records too (for good here)
     group = None
     if job["mode"] == "torch":
         import torch.distributed as dist
@@ -113,6 +115,7 @@ def main(jobdir: str) -> int:
         )
         recorder.record_torch()
         group = dist.group.WORLD
+    sink({"e": "loading"})  # the judge names a rank that never says "ready" after this
     try:
         fn, note = load(job["kind"], job["where"], job["func"])
     except LookupError as exc:

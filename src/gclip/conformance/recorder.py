@@ -5,7 +5,9 @@ The function under judgement gets a communicator that is the real one (an
 it) but whose collectives first tell the :class:`Recorder` "entered
 Allreduce" and, once MPI returns, "left Allreduce". Communicators it makes
 (``Dup``, ``Split``) and requests of nonblocking calls (``Iallreduce`` then
-``Wait``) are recorded the same way. Under ``--torch`` the functions of
+``Wait``) are recorded the same way, and so is ``MPI.COMM_WORLD`` (much real
+code calls it instead of the communicator it is given): ``record_world`` puts
+a recording copy in ``mpi4py.MPI``'s place. Under ``--torch`` the functions of
 ``torch.distributed`` are wrapped alike. A rank stuck in a collective has
 told the judge where it waits; a rank that never entered one has told it
 nothing: that difference is what names the rank that skipped.
@@ -24,6 +26,7 @@ __all__ = [
     "current",
     "install",
     "record_torch",
+    "record_world",
     "recorded",
 ]
 
@@ -157,6 +160,28 @@ def _classes() -> tuple[type, type]:
 def recorded(comm: Any) -> Any:
     """``comm`` as a recording communicator: the same MPI handle, the same type to MPI."""
     return _classes()[0](comm)
+
+
+def record_world() -> Callable[[], None]:
+    """Put a recording ``COMM_WORLD`` (the same handle) in ``mpi4py.MPI``'s place; returns the
+    function that puts the real one back.
+
+    Code that reads ``MPI.COMM_WORLD`` from now on, or imports it from now on
+    (``from mpi4py.MPI import COMM_WORLD``), gets the recording one. Nothing
+    else changes: the judge's own communicators were made before (``Dup``), and
+    collectives are recorded only while a case runs (``Recorder.begin``/``end``).
+    """
+    from mpi4py import MPI
+
+    real = MPI.COMM_WORLD
+    if isinstance(real, _classes()[0]):  # already in place
+        return lambda: None
+    MPI.COMM_WORLD = recorded(real)
+
+    def restore() -> None:
+        MPI.COMM_WORLD = real
+
+    return restore
 
 
 def record_torch() -> None:

@@ -78,6 +78,7 @@ def first_failures(shown: int, failed: int) -> str:
 
 
 NO_BUG_HINT = "it fails like no bug of the gallery: see the scales below"
+NO_BUG_REASONS = "it fails like no bug of the gallery: see the reasons below"  # no scales to show
 
 
 def head(
@@ -105,7 +106,9 @@ def head(
         lines.append(f"  stopped: {v.stopped}")
     lines.append(verdict_line(v.grade, len(v.failed), len(v.cases), v.fingerprint, v.near))
     if not v.passed:
-        lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), NO_BUG_HINT)
+        scales = any(v.hints.get(i) for i in v.failed[:shown])
+        hint = NO_BUG_HINT if scales else NO_BUG_REASONS
+        lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
         lines.append(first_failures(shown, len(v.failed)))
     return lines
 

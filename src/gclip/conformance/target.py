@@ -10,7 +10,12 @@ from typing import Any, NamedTuple
 
 from .._lab.cli import UsageError
 
-__all__ = ["Target", "load", "parse_target"]
+__all__ = ["LoadError", "Target", "load", "parse_target"]
+
+
+class LoadError(UsageError):
+    """The target cannot be loaded where it runs: its file raises, hangs or dies while loading, or
+    has no such function. A usage error (exit 2); under ``--json`` it is printed as JSON too."""
 
 
 class Target(NamedTuple):

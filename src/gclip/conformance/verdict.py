@@ -182,23 +182,36 @@ def grade(
     A near miss returns the right layout everywhere and is off by at most
     NEAR_MISS (relative) wherever it is off, or is a gallery bug that only
     misses by an epsilon (then tiny norms, where the epsilon dominates, may be
-    far off: they are counted apart). ``errors[i]`` is None when case i gave
-    no value of the right layout; ``norms[i]`` is the case's global norm.
+    far off: they are counted apart). Norms beyond float32's range (where a
+    sum of squares in float32, off by a rounding elsewhere, overflows) are
+    counted apart as well, when other checks are near misses. ``errors[i]`` is
+    None when case i gave no value of the right layout; ``norms[i]`` is the
+    case's global norm.
     """
     if not failed and stopped is None:
         return "pass", None
     if stopped is not None or any(errors[i] is None for i in failed):
         return "fail", None
-    worst = max(errors[i] or 0.0 for i in failed)
+    huge = [i for i in failed if norms[i] > implied.FLOAT32_NORM]
+    rest = [i for i in failed if i not in huge] or failed
+    worst = max(errors[i] or 0.0 for i in rest)
     if worst > NEAR_MISS and fingerprint_name not in NEAR_MISS_BUGS:
         return "fail", None
-    sized = [errors[i] or 0.0 for i in failed if norms[i] >= SMALL_NORM] or [worst]
-    tiny = [i for i in failed if norms[i] < SMALL_NORM and (errors[i] or 0.0) > max(sized)]
+    sized = [errors[i] or 0.0 for i in rest if norms[i] >= SMALL_NORM] or [worst]
+    tiny = [i for i in rest if norms[i] < SMALL_NORM and (errors[i] or 0.0) > max(sized)]
     how = f"off by at most {max(sized):.2g} relative"
     if tiny:
-        few = f"{len(tiny)} check{'s' * (len(tiny) != 1)}"
-        how += f"; on {few} with a norm below {SMALL_NORM:g} by up to {worst:.2g}"
+        how += f"; on {_checks(tiny)} with a norm below {SMALL_NORM:g} by up to {worst:.2g}"
+    apart = [i for i in huge if i not in rest and (errors[i] or 0.0) > max(sized)]
+    if apart:
+        far = max(errors[i] or 0.0 for i in apart)
+        above = f"a norm above {implied.FLOAT32_NORM:.2g} (float32 overflows)"
+        how += f"; on {_checks(apart)} with {above} by up to {far:.2g}"
     return "near miss", how
+
+
+def _checks(cases: Sequence[int]) -> str:
+    return f"{len(cases)} check{'s' * (len(cases) != 1)}"
 
 
 def _hints(case: Case, actual: list, limit: float) -> list[str]:

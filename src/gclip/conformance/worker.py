@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._lab.cli import UsageError
 from .._lab.jsonout import dumps
 from ..errors import exception_line
-from .target import Target, load
+from .target import LoadError, Target, load
 
 __all__ = ["MESSAGE_LIMIT", "Outcome", "Worker", "rows_of", "serve", "start"]
 
@@ -194,7 +193,7 @@ def start(target: Target, timeout: float) -> tuple[Worker, str | None]:
         alive = worker.exit_status() is None
         worker.close()
         if hello is not None:
-            raise UsageError(hello["usage"])
+            raise LoadError(hello["usage"])
         why = "timed out while loading" if alive else "the worker process died while loading"
-        raise UsageError(f"cannot load {target}: {why}")
+        raise LoadError(f"cannot load {target}: {why}")
     return worker, hello.get("note")
