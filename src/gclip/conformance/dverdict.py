@@ -23,7 +23,17 @@ from .hangs import rank_list
 from .outcome import CaseRun
 from .verdict import MATCH_SHARE, grade
 
-__all__ = ["LOOSE", "RTOL", "DistCase", "DistVerdict", "Loose", "judge_runs", "rtol_of"]
+__all__ = [
+    "LOOSE",
+    "RTOL",
+    "DistCase",
+    "DistVerdict",
+    "Loose",
+    "expected_case",
+    "gallery_names",
+    "judge_runs",
+    "rtol_of",
+]
 
 RTOL = {"float64": 1e-11, "float32": 2e-6, "float16": 2e-3}  # relative to the array's largest value
 SKIP = "skip-collective"

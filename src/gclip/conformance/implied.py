@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = [
+    "SAME",
     "Applied",
     "applied",
     "digits_to_tell",

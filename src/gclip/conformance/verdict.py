@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import strategies
 from ..clip import clip_simulated
-from ..contract import clip_shards, rounded
+from ..contract import DIGITS, clip_shards, rounded
 from ..strategies import BUGS
 from . import implied
 from .cases import Case, make_cases
@@ -98,7 +98,7 @@ def check(case: Case, expected: list, outcome: Outcome) -> str | None:
             f"off by {gap:.2g} (shard {i} item {j} is {a!r}, expected {b!r}): "
             "the contract's checks compare exactly, so round to 12 decimals"
         )
-    loose = [(a, i, j) for a, _, i, j in pairs if a != round(a, 12)]
+    loose = [(a, i, j) for a, _, i, j in pairs if a != round(a, DIGITS)]
     if loose:
         a, i, j = loose[0]
         return f"not rounded to 12 decimals (shard {i} item {j} is {a!r})"
