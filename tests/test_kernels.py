@@ -54,6 +54,32 @@ def test_reproducible_digits_hold_the_exact_sum_on_both_paths(kernels, numpy_onl
         assert abs(got - exact) <= bound * exact, f"{path}: {float(abs(got - exact) / exact):.3g} relative"
 
 
+@pytest.mark.parametrize("p", [1, 2])
+def test_reproducible_digits_given_chunk_by_chunk_hold_the_exact_sum(kernels, numpy_only, p):
+    """local_stream (chunks cut anywhere, one buffer refilled) against the exact sum, both paths."""
+    rng = np.random.default_rng(11 + p)
+    x = (rng.normal(size=5 * partials.BLOCK + 3) * 1e3).astype(np.float32)
+    x[::7] *= 1e-9
+    binned = partials.BinnedPowerSum(p)
+    exact = exact_sum(x, p)
+    bound = Fraction(x.size) * Fraction(2) ** (-binned.W * (binned.K - 1))
+
+    def refilled():
+        buf = np.empty(700, dtype=np.float32)  # not a multiple of BLOCK: blocks straddle the cuts
+        for start in range(0, x.size, 700):
+            n = min(700, x.size - start)
+            buf[:n] = x[start : start + n]
+            yield buf[:n]
+
+    for path, digits in (
+        ("compiled", binned.local_stream(refilled(), x.size)),
+        ("numpy", numpy_only(lambda: binned.local_stream(refilled(), x.size))),
+    ):
+        assert digits[0] == x.size
+        got = binned.exact(digits)
+        assert abs(got - exact) <= bound * exact, f"{path}: {float(abs(got - exact) / exact):.3g} relative"
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_reproducible_norm_has_the_same_bits_on_the_compiled_and_the_numpy_path(kernels, dtype):
     """One large rank takes the compiled path, many small ranks the numpy folds (each below

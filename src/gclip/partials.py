@@ -16,7 +16,7 @@ simulated ranks of the judge and the unit tests (see ``engine``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -322,6 +322,27 @@ class BinnedPowerSum:
             else:
                 for c in iter_chunks(a, chunk):
                     special += self._deposit(c, buffers, counts)
+        return self._pack(counts, size, special)
+
+    def local_stream(self, chunks: Iterable[np.ndarray], size: int) -> np.ndarray:
+        """:meth:`local` of 1-D float32/float64 chunks given one at a time (the same buffer may
+        come back refilled: each is used before the next is asked for); ``size`` elements in all.
+        A value's digits do not depend on where its block starts, so any cut gives local's."""
+        counts = np.zeros((self.nbins, 2), dtype=np.int64)
+        special = 0.0
+        kernels = _kernels.get()
+        buffers, room = (_Scratch(0), _Scratch(0)), 0
+        for c in chunks:
+            if kernels is not None:
+                special += kernels.digits_view(c, self.p, counts, self.W, self._BIN_LO)
+                continue
+            blocks = -(-c.size // BLOCK) * BLOCK  # _deposit works in whole blocks
+            if blocks > room:
+                buffers, room = (_Scratch(blocks), _Scratch(blocks)), blocks
+            special += self._deposit(c, buffers, counts)
+        return self._pack(counts, size, special)
+
+    def _pack(self, counts: np.ndarray, size: int, special: float) -> np.ndarray:
         out = np.zeros(self.size)
         out[0] = size
         out[1] = special
