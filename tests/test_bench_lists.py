@@ -156,6 +156,11 @@ def test_torch_list_rows_and_table_by_hand():
     assert "vs_torch" not in next(r for r in rows if r["impl"] == "torch+allreduce")
     text = table.format_torch_lists(rows)
     assert "gpt2-small-torch-bf16" in text and "bfloat16" in text and "0.50" in text
+    times["gclip.torch-repro"] = {"median_s": 0.15, "min_s": 0.14, "reps": 5}
+    repro = next(r for r in torch_lists._rows(wl, True, times) if r["impl"] == "gclip.torch-repro")
+    assert repro["vs_torch"] == pytest.approx(1.5) and repro["vs_default"] == pytest.approx(3.0)
+    last = table.format_torch_lists([*rows, repro]).splitlines()[-1]
+    assert last.split()[-3:] == ["150", "ms", "3.00"], last
     assert options.parse_lists("gpt2-small-torch,gpt2-small-torch-bf16") == [
         "gpt2-small-torch",
         "gpt2-small-torch-bf16",
@@ -186,7 +191,7 @@ def _both_ops_clip(torch, dist) -> None:
     ctx = Ctx()
     ctx.torch, ctx.dist = torch, dist
     wl = workloads.ListWorkload("small", ((5, 3), (7,)), "float32", 1)
-    for name in ("gclip.torch", "torch+allreduce"):
+    for name in ("gclip.torch", "gclip.torch-repro", "torch+allreduce"):
         params = torch_lists._params(torch, wl, 0)
         before = math.sqrt(math.fsum(float(v) ** 2 for p in params for v in p.grad.double().flatten()))
         norm = Norm(before)
@@ -195,7 +200,7 @@ def _both_ops_clip(torch, dist) -> None:
         after = math.sqrt(math.fsum(float(v) ** 2 for p in params for v in p.grad.double().flatten()))
         limit = before * (1 - workloads.DELTA)
         # gclip clips to the limit; torch to limit * norm / (norm + 1e-6), its epsilon
-        want = limit if name == "gclip.torch" else limit * before / (before + TORCH_EPS)
+        want = limit if name.startswith("gclip.torch") else limit * before / (before + TORCH_EPS)
         assert after < before and math.isclose(after, want, rel_tol=1e-6), name
 
 

@@ -120,6 +120,24 @@ def _per_device(values: Sequence[torch.Tensor]) -> dict[torch.device, list[torch
 # the engine's backend
 
 
+def _by_path(arrays: Sequence[torch.Tensor]) -> tuple[list, list, list]:
+    """(CPU tensors numpy views without a copy, CPU bfloat16, the rest): the first go to
+    numpy's kernels as they are, bfloat16 to them through its bits or a float32 widening."""
+    host: list[torch.Tensor] = []
+    bf16: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for t in arrays:
+        if t.device.type != "cpu":
+            rest.append(t)
+        elif t.dtype in _NUMPY_VIEWABLE:
+            host.append(t)
+        elif t.dtype == torch.bfloat16:
+            bf16.append(t)
+        else:
+            rest.append(t)
+    return host, bf16, rest
+
+
 def count(arrays: Sequence[torch.Tensor]) -> int:
     """Elements in the tensors (no device work)."""
     return sum(t.numel() for t in arrays)
@@ -132,17 +150,17 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
     CPU tensors that numpy can view without a copy (float16, float32, float64)
     are summed by ``partials`` itself: its compiled one-pass kernels square
     float32 in float64 at memory speed, where converting chunks here would
-    pass over the data twice. The rest (bfloat16, other devices) stays here.
+    pass over the data twice; contiguous CPU bfloat16 is squared from its bits
+    by a compiled kernel (p = 2). The rest (other devices, other bfloat16) stays here.
     """
-    host = [t for t in arrays if t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE]
-    rest = [t for t in arrays if not (t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE)]
+    host, bf16, rest = _by_path(arrays)
     total = partials.power_sum([t.numpy() for t in host], p)[0] if host else 0.0
-    kernels = _kernels.get() if p == 2.0 and rest else None
-    if kernels is not None:  # contiguous bfloat16 on the CPU: its bits, squared in one compiled pass
-        bits = [t for t in rest if t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()]
-        for t in bits:
+    kernels = _kernels.get() if p == 2.0 and bf16 else None
+    for t in bf16:
+        if kernels is not None and t.is_contiguous():  # its bits, squared in one compiled pass
             total += float(kernels.sumsq_bf16(t.view(torch.int16).numpy().view(np.uint16).reshape(-1)))
-        rest = [t for t in rest if not any(t is b for b in bits)]
+        else:
+            rest.append(t)
     if p == 2.0:
         total += _sum_on_devices(rest, lambda c: torch.dot(c, c))
     elif p == 1.0:
@@ -213,14 +231,12 @@ def binned_digits(binned: BinnedPowerSum, arrays: Sequence[torch.Tensor]) -> np.
     devices) to :func:`digits_with_torch_ops`. The two
     parts add up as two ranks' parts do: digit counts are integers.
     """
-    host = [t for t in arrays if t.device.type == "cpu" and t.dtype in _NUMPY_VIEWABLE]
-    wide = [t for t in arrays if t.device.type == "cpu" and t.dtype == torch.bfloat16]
-    rest = [t for t in arrays if t.device.type != "cpu" or t.dtype not in (*_NUMPY_VIEWABLE, torch.bfloat16)]
-    if not host and not wide:
+    host, bf16, rest = _by_path(arrays)
+    if not host and not bf16:
         return digits_with_torch_ops(binned, arrays)
     out = binned.local([t.numpy() for t in host])
-    if wide:  # bfloat16 widened to float32 (exactly) a chunk at a time, into one reused buffer
-        out += binned.local_stream(_float32_chunks(wide), count(wide))
+    if bf16:  # widened to float32 (exactly) a chunk at a time, into one reused buffer
+        out += binned.local_stream(_float32_chunks(bf16), count(bf16))
     if rest:
         out += digits_with_torch_ops(binned, rest)  # inf + NaN is NaN, as across ranks
     return out

@@ -108,12 +108,19 @@ def _prepare(
     return _Call(given, spec, limit, bool(error_if_nonfinite), inplace, counting, error)
 
 
-def _settings(*key: Any) -> tuple[engine.Spec, float]:
+def _settings(
+    mode: Any, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
+) -> tuple[engine.Spec, float]:
     """The checked scalar arguments as (Spec, limit). A training loop passes the
     same ones every step, so they are checked (and fingerprinted) once."""
-    if not all(type(k) in _PLAIN or k is _NO_LIMIT for k in key):
-        return _check_settings(*key)  # e.g. a tensor as max_norm: it hashes by identity, not value
-    return _cached_settings(*key)
+    key = (mode, norm_type, max_norm, reproducible, error_if_nonfinite)
+    if (
+        type(mode) in _PLAIN
+        and type(norm_type) in _PLAIN
+        and (type(max_norm) in _PLAIN or max_norm is _NO_LIMIT)
+    ):
+        return _cached_settings(*key)  # the two flags come as bools
+    return _check_settings(*key)  # e.g. a tensor as max_norm: it hashes by identity, not value
 
 
 def _check_settings(

@@ -451,7 +451,7 @@ def clip_grad_norm_(
     NonFiniteNormError on every rank).
 
     Args:
-        max_norm: the limit, finite and >= 0 (a number or a 0-d tensor).
+        max_norm: the limit, finite and >= 0 (a number, or a tensor of one value).
         norm_type: p > 0, or inf / 'inf'.
         foreach: False scales tensor by tensor; None or True with torch's foreach kernels.
         comm, replicated, reproducible: as in :func:`get_total_norm` (one

@@ -26,7 +26,7 @@ from .ops import Norm
 from .timing import slowest_rank_medians, time_reps
 from .workloads import DELTA, INACTIVE_FACTOR, ListWorkload, list_arrays
 
-__all__ = ["bench_list", "list_rows", "torch_foreach"]
+__all__ = ["base_row", "bench_list", "list_rows", "torch_foreach"]
 
 
 def torch_foreach(torch_ctx: Any, arrays: list, norm: Norm, limit: Callable[[], float], active: bool):
@@ -105,28 +105,31 @@ def bench_list(comm: Any, workload: ListWorkload, torch_ctx: Any, repeat: int | 
     return rows
 
 
-def list_rows(workload: ListWorkload, active: bool, times: dict[str, dict], misses: int) -> list[dict]:
-    """One row per implementation: time, time per array, and the ratios."""
+def base_row(workload: ListWorkload, active: bool, impl: str, t: dict) -> dict:
+    """The fields every list row has: what ran, on what, and its time (also per array)."""
     import math
 
-    tensors = len(workload.shapes)
-    elements = sum(math.prod(s) for s in workload.shapes)
+    return {
+        "workload": workload.name,
+        "tensors": len(workload.shapes),
+        "elements": sum(math.prod(s) for s in workload.shapes),
+        "dtype": workload.dtype,
+        "active": active,
+        "impl": impl,
+        "median_s": t["median_s"],
+        "min_s": t["min_s"],
+        "reps": t["reps"],
+        "per_tensor_s": t["median_s"] / len(workload.shapes),
+    }
+
+
+def list_rows(workload: ListWorkload, active: bool, times: dict[str, dict], misses: int) -> list[dict]:
+    """One row per implementation: time, time per array, and the ratios."""
     default = times["gclip"]["median_s"]
     torch, floor = times.get("torch-foreach"), times.get("floor")
     rows = []
     for impl, t in times.items():
-        row = {
-            "workload": workload.name,
-            "tensors": tensors,
-            "elements": elements,
-            "dtype": workload.dtype,
-            "active": active,
-            "impl": impl,
-            "median_s": t["median_s"],
-            "min_s": t["min_s"],
-            "reps": t["reps"],
-            "per_tensor_s": t["median_s"] / tensors,
-        }
+        row = base_row(workload, active, impl, t)
         if torch is not None and impl != "torch-foreach":
             row["vs_torch"] = t["median_s"] / torch["median_s"]
         if impl == "gclip-repro":

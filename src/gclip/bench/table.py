@@ -154,11 +154,13 @@ def format_torch_lists(rows: list[dict]) -> str:
     if not rows:
         return ""
     lines = [["workload", "dtype", "tensors", "clip", "gclip.torch", "torch+allreduce", "gclip/torch"]]
+    lines[0] += ["repro", "x dflt"]
     keys = sorted({(r["workload"], r["active"]) for r in rows})
     for name, active in keys:
         got = {r["impl"]: r for r in rows if (r["workload"], r["active"]) == (name, active)}
-        g, t = got["gclip.torch"], got["torch+allreduce"]
+        g, t, p = got["gclip.torch"], got["torch+allreduce"], got.get("gclip.torch-repro")
         line = [name, g["dtype"], str(g["tensors"]), "active" if active else "off"]
         line += [fmt_t(g["median_s"]), fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}"]
+        line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"] if p else ["-", "-"]
         lines.append(line)
     return columns(lines)

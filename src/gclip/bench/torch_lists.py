@@ -10,7 +10,8 @@ the same gloo group, with clipping off and active:
 - ``torch+allreduce``: what a sharded job does with torch's own pieces:
   ``torch.nn.utils.get_total_norm`` (in the gradients' dtype), squared,
   ``dist.all_reduce``, sqrt, ``clip_grads_with_norm_`` (``max_norm / (norm +
-  1e-6)``, clamped, ``_foreach_mul_``).
+  1e-6)``, clamped, ``_foreach_mul_``);
+- ``gclip.torch-repro``: ``gclip.torch`` with ``reproducible=True``.
 
 No target rides on these rows: they say what the drop-in costs against the
 tool people would otherwise use.
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..strategies import TORCH_EPS
+from .lists import base_row
 from .ops import Norm
 from .timing import slowest_rank_medians, time_reps
 from .workloads import DELTA, INACTIVE_FACTOR, LIST_SCALE, TORCH_LISTS, ListWorkload
@@ -50,10 +52,13 @@ def _ops(torch_ctx: Any, params: list, norm: Norm, active: bool) -> list[tuple[s
     def limit() -> float:
         return norm.value * (1.0 - DELTA) if active else fixed
 
-    def gclip() -> None:
-        total = gclip_torch.clip_grad_norm_(params, limit(), comm=group)
-        if active:
-            norm.value = float(total) * min(1.0, limit() / float(total))
+    def gclip(reproducible: bool) -> Callable[[], None]:
+        def run() -> None:
+            total = gclip_torch.clip_grad_norm_(params, limit(), comm=group, reproducible=reproducible)
+            if active:
+                norm.value = float(total) * min(1.0, limit() / float(total))
+
+        return run
 
     def reference() -> None:
         grads = [p.grad for p in params]
@@ -64,7 +69,7 @@ def _ops(torch_ctx: Any, params: list, norm: Norm, active: bool) -> list[tuple[s
         if active:
             norm.value = float(total) * min(1.0, limit() / (float(total) + TORCH_EPS))
 
-    return [("gclip.torch", gclip), ("torch+allreduce", reference)]
+    return [("gclip.torch", gclip(False)), ("gclip.torch-repro", gclip(True)), ("torch+allreduce", reference)]
 
 
 def bench_torch_list(comm: Any, torch_ctx: Any, names: list[str], repeat: int | None) -> list[dict]:
@@ -90,22 +95,13 @@ def bench_torch_list(comm: Any, torch_ctx: Any, names: list[str], repeat: int | 
 
 
 def _rows(workload: ListWorkload, active: bool, times: dict[str, dict]) -> list[dict]:
-    import math
-
-    reference = times["torch+allreduce"]["median_s"]
-    return [
-        {
-            "workload": workload.name,
-            "tensors": len(workload.shapes),
-            "elements": sum(math.prod(s) for s in workload.shapes),
-            "dtype": workload.dtype,
-            "active": active,
-            "impl": impl,
-            "median_s": t["median_s"],
-            "min_s": t["min_s"],
-            "reps": t["reps"],
-            "per_tensor_s": t["median_s"] / len(workload.shapes),
-            **({"vs_torch": t["median_s"] / reference} if impl == "gclip.torch" else {}),
-        }
-        for impl, t in times.items()
-    ]
+    reference, default = times["torch+allreduce"]["median_s"], times["gclip.torch"]["median_s"]
+    rows = []
+    for impl, t in times.items():
+        row = base_row(workload, active, impl, t)
+        if impl != "torch+allreduce":
+            row["vs_torch"] = t["median_s"] / reference
+        if impl == "gclip.torch-repro":
+            row["vs_default"] = t["median_s"] / default
+        rows.append(row)
+    return rows

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .dverdict import DistVerdict
-from .report import head
+from .report import head, verdict_fields
 from .spread import GROUPS
 
 __all__ = ["as_json", "report"]
@@ -68,22 +68,11 @@ def as_json(v: DistVerdict, *, mode: str, layout: dict | None, count: int, seed:
             }
         )
     return {
-        "target": v.target,
+        **verdict_fields(v, count, seed, timeout),
         "ranks": v.size,
         "mode": mode,
         "layout": layout,
-        "passed": v.passed,
-        "grade": v.grade,
-        "near_miss": v.near,
-        "checks": len(v.cases),
-        "failed": len(v.failed),
-        "fingerprint": v.fingerprint,
-        "fingerprint_scores": v.scores,
-        "stopped": v.stopped,
         "notes": v.notes,
-        "random": count,
-        "seed": seed,
-        "timeout": timeout,
         "failures": failures,
     }
 

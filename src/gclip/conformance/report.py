@@ -9,10 +9,19 @@ from .._lab.jsonout import dumps
 from ..strategies import LAYOUT_BUG_NAMES, STRATEGIES
 from .verdict import Verdict
 
-__all__ = ["as_json", "fingerprint_lines", "first_failures", "head", "report", "verdict_line"]
+__all__ = [
+    "as_json",
+    "fingerprint_lines",
+    "first_failures",
+    "head",
+    "report",
+    "verdict_fields",
+    "verdict_line",
+]
 
 
-def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
+def verdict_fields(v: Any, count: int, seed: int, timeout: float) -> dict:
+    """The JSON fields of a verdict that the single-process and the distributed judge share."""
     return {
         "target": v.target,
         "passed": v.passed,
@@ -23,10 +32,16 @@ def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
         "fingerprint": v.fingerprint,
         "fingerprint_scores": v.scores,
         "stopped": v.stopped,
-        "note": v.note,
         "random": count,
         "seed": seed,
         "timeout": timeout,
+    }
+
+
+def as_json(v: Verdict, count: int, seed: int, timeout: float) -> dict:
+    return {
+        **verdict_fields(v, count, seed, timeout),
+        "note": v.note,
         "failures": [
             {
                 "check": v.cases[i].label,
