@@ -384,6 +384,21 @@ def test_comm_none_alone_is_fine_when_nothing_says_otherwise(env):
 
 
 @pytest.mark.parametrize(
+    ("total_norm", "max_norm"), [(1e138, 1e-175), (3.0, 1e-308), (7.1e200, 2.3e-120), (1.9, 1e-320)]
+)
+def test_a_subnormal_scale_is_the_largest_that_does_not_lift_the_norm(self_comm, total_norm, max_norm):
+    """Exact arithmetic as the oracle: scale * norm <= limit, and the next float up would exceed it
+    (a subnormal quotient rounded to nearest can be 1e-11 above: the clipped norm over the limit)."""
+    scale = gclip.clip_scale(total_norm, max_norm)
+    assert 0.0 < scale < sys.float_info.min
+    assert Fraction(scale) * Fraction(total_norm) <= Fraction(max_norm)
+    assert Fraction(math.nextafter(scale, 1.0)) * Fraction(total_norm) > Fraction(max_norm)
+    x = np.array([-total_norm])  # the case Hypothesis found: one value, the scale subnormal
+    clipped = gclip.clip_by_global_norm(x, max_norm, comm=self_comm).grads
+    assert abs(Fraction(float(clipped[0]))) <= Fraction(max_norm) * (1 + Fraction(1, 2**52))
+
+
+@pytest.mark.parametrize(
     ("total_norm", "max_norm", "expected"),
     [
         (0.0, 1.0, 1.0),  # zero norm: 1

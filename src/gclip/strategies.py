@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from .errors import GclipValueError
@@ -129,10 +131,24 @@ class Strategy:
         denom = norm + self.epsilon
         if denom == 0.0:
             return 1.0
-        return min(1.0, max_norm / denom)
+        scale = max_norm / denom
+        if 0.0 < scale < _SMALLEST_NORMAL:  # fewer bits: rounded to nearest, it may lift the norm
+            scale = _down_to_quotient(scale, max_norm, denom)
+        return min(1.0, scale)
 
     def as_dict(self) -> dict:
         return card(self, norm_type=self.norm_type)
+
+
+_SMALLEST_NORMAL = sys.float_info.min
+
+
+def _down_to_quotient(scale: float, num: float, den: float) -> float:
+    """A subnormal ``num / den`` rounded toward zero instead, so that scale * den <= num exactly
+    (a normal quotient is within 2**-53 of it; a subnormal one can be 1e-11 above)."""
+    while Fraction(scale) * Fraction(den) > Fraction(num):
+        scale = math.nextafter(scale, 0.0)
+    return scale
 
 
 def card(bug: Any, **more: Any) -> dict:
