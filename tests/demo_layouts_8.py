@@ -19,7 +19,7 @@ import traceback
 
 from mpi4py import MPI
 
-from gclip import strategies
+from gclip import gallery
 from gclip.demo.layout import run_layout
 from gclip.demo.options import parse_args
 
@@ -52,11 +52,11 @@ def main() -> None:
             r = report("--layout", layout, "--json", *extra)
             if r is not None:
                 findings[key][layout] = [r["global_norm"].hex(), r["model_norm"]]
-    for bug in strategies.BUGS:
+    for bug in gallery.BUGS:
         r = report("--layout", "pp=2,dp=2,tp=2", "--buggy", bug.name)
         if r is not None:
             findings["bugs"][bug.name] = shows(r)
-    for bug in strategies.LAYOUT_BUGS:
+    for bug in gallery.LAYOUT_BUGS:
         r = report("--layout", bug.shows_on, "--buggy", bug.name)
         if r is not None:
             findings["bugs"][bug.name] = shows(r)

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import gclip
+import gclip.gallery
 from gclip import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -183,7 +184,7 @@ def clip_with_fault(comm, fault: Fault, bad: int, **extra) -> Report:
     if comm.Get_rank() == bad:
         kwargs.update(fault.bad())
     grads, max_norm = kwargs.pop("grads"), kwargs.pop("max_norm")
-    return attempt(lambda: gclip.clip_by_global_norm(grads, max_norm, **kwargs))
+    return attempt(lambda: gclip.gallery.clip_by_global_norm(grads, max_norm, **kwargs))
 
 
 # --------------------------------------------------------------------------- tests
@@ -355,7 +356,7 @@ def test_rescue_takes_every_rank_along(comm, case, where):
 
 def _modes() -> list:
     """Every strategy but per-rank (whose norm is each rank's own by design)."""
-    return [name for name in gclip.STRATEGIES if name != "per-rank"]
+    return [name for name in gclip.gallery.STRATEGIES if name != "per-rank"]
 
 
 @pytest.mark.parametrize("where", ["last", "first"])
@@ -373,13 +374,15 @@ def test_nan_on_one_rank_gives_one_norm_in_every_mode(comm, mode, where):
         return g
 
     grads = shard(comm.Get_rank())
-    reports = everyone(comm, attempt(lambda: gclip.clip_by_global_norm(grads, 1.0, comm=comm, mode=mode)))
+    reports = everyone(
+        comm, attempt(lambda: gclip.gallery.clip_by_global_norm(grads, 1.0, comm=comm, mode=mode))
+    )
     assert all(r.kind is None for r in reports), reports
-    result = gclip.clip_by_global_norm(grads, 1.0, comm=comm, mode=mode)
+    result = gclip.gallery.clip_by_global_norm(grads, 1.0, comm=comm, mode=mode)
     want = repr(exact_norm(shard(0))) if mode == "rank0-norm" and bad != 0 else "nan"
     norms = everyone(comm, repr(float(result.total_norm)))
     assert norms == [want] * size, f"norms {norms}, expected {want}"
-    simulated = gclip.clip_simulated([shard(r) for r in range(size)], 1.0, mode=mode)
+    simulated = gclip.gallery.clip_simulated([shard(r) for r in range(size)], 1.0, mode=mode)
     assert repr(float(simulated[0].total_norm)) == want, f"simulated {simulated[0].total_norm}"
 
 

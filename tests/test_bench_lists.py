@@ -12,7 +12,7 @@ import pytest
 from gclip._lab.cli import UsageError
 from gclip.bench import lists, options, sweep, table, targets, workloads
 from gclip.bench.ops import Norm
-from gclip.strategies import TORCH_EPS
+from gclip.gallery import TORCH_EPS
 
 
 def test_gpt2_small_has_its_148_parameters():

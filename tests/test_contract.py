@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import gclip
+import gclip.gallery
 import seed_oracle
 from gclip.contract import seed_checks
 
@@ -36,7 +37,9 @@ def test_seed_checks_match_the_record_expectations(n):
 def _simulated(check, mode):
     if not check.shards:
         return []
-    results = gclip.clip_simulated([np.asarray(s, dtype=float) for s in check.shards], check.limit, mode=mode)
+    results = gclip.gallery.clip_simulated(
+        [np.asarray(s, dtype=float) for s in check.shards], check.limit, mode=mode
+    )
     return [gclip.contract.rounded(r.grads) for r in results]
 
 

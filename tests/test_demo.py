@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import gclip
+import gclip.gallery
 from gclip import demo
 from gclip._lab.cli import UsageError
 from gclip.contract import rounded, seed_checks
@@ -236,7 +237,7 @@ def test_json_shape_and_its_arithmetic():
 @needs_mpi
 @pytest.mark.slow
 def test_every_gallery_bug_differs_from_the_correct_run_on_default_data():
-    names = [b.name for b in gclip.BUGS]
+    names = [b.name for b in gclip.gallery.BUGS]
     cases = [(name, 4, ["--json", "--values", "--buggy", name]) for name in names]
     got = batch(4, [*cases, ("global", 4, ["--json", "--values"])])
     for name in names:
@@ -269,8 +270,8 @@ def test_list_bugs_json_without_mpirun():
     assert len(lines) == 1
     listed = json.loads(lines[0])
     bugs = [b for b in listed if b["kind"] == "combine"]  # the layout bugs follow: test_demo_layout
-    assert [b["name"] for b in bugs] == [b.name for b in gclip.BUGS]
-    usage = len(gclip.strategies.USAGE_BUGS)
+    assert [b["name"] for b in bugs] == [b.name for b in gclip.gallery.BUGS]
+    usage = len(gclip.gallery.USAGE_BUGS)
     layout = len(listed) - len(bugs) - usage
     assert [b["kind"] for b in listed] == ["combine"] * len(bugs) + ["layout"] * layout + ["usage"] * usage
     for b in bugs:
@@ -280,7 +281,7 @@ def test_list_bugs_json_without_mpirun():
     text = subprocess.run(
         [sys.executable, "-m", "gclip.demo", "--list-bugs"], capture_output=True, text=True, timeout=60
     ).stdout
-    for b in gclip.BUGS:
+    for b in gclip.gallery.BUGS:
         assert b.name in text and b.incident in text
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import gclip
+import gclip.gallery
 from conftest import OneRankComm, mpirun, venv_env
 from gclip import demo
 from gclip._lab.cli import UsageError
@@ -199,7 +200,7 @@ def test_the_demo_says_mpirun_as_the_lab_does(capsys):
 
 
 def _giveaways(name: str) -> list[str]:
-    bug = gclip.STRATEGIES[name]
+    bug = gclip.gallery.STRATEGIES[name]
     return [name, bug.summary, bug.explanation] + ([bug.incident] if bug.incident else [])
 
 
@@ -222,7 +223,7 @@ def test_mystery_runs_its_bug_without_naming_it(k):
 def test_the_mystery_pool_is_the_gallery_but_the_inf_norm_bug():
     """inf-pow shows only on the inf-norm, and a run on the inf-norm says so (its header, table 1's
     max |x|): it would name itself, so it is no mystery (it stays in the gallery, --buggy inf-pow)."""
-    assert sorted(demo.MYSTERY_POOL) == sorted(b.name for b in gclip.BUGS if b.name != "inf-pow")
+    assert sorted(demo.MYSTERY_POOL) == sorted(b.name for b in gclip.gallery.BUGS if b.name != "inf-pow")
     assert "inf norm" in run_here("--ranks", "4", "--buggy", "inf-pow")
     for seed in (0, 7, 8, 40):
         assert sorted(demo.mysteries(seed)) == sorted(demo.MYSTERY_POOL)  # each seed: the pool, in its order

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import ROOT, mpirun, venv_env
-from gclip import strategies
+from gclip import gallery
 from gclip._lab import transformer
 
 
@@ -47,7 +47,7 @@ def test_every_layout_gives_the_models_norm(findings):
 
 @pytest.mark.slow
 def test_every_bug_of_the_gallery_shows_on_a_3d_layout(findings):
-    names = [b.name for b in strategies.BUGS] + [b.name for b in strategies.LAYOUT_BUGS]
+    names = [b.name for b in gallery.BUGS] + [b.name for b in gallery.LAYOUT_BUGS]
     assert len(names) >= 16
     assert sorted(findings["bugs"]) == sorted(names)
     silent = [name for name, how in findings["bugs"].items() if not how]

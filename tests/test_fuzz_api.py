@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import gclip
+import gclip.gallery
 from gclip import GclipError
 
 FUZZ = settings(
@@ -135,7 +136,7 @@ VALID = {
         st.sampled_from([2.0, 2, 1, 1.0, 3.0, math.inf, "inf", "INF", "Infinity", " inf "]),
         st.floats(min_value=0.5, max_value=64.0),
     ),
-    "mode": st.sampled_from(sorted(gclip.STRATEGIES)),
+    "mode": st.sampled_from(sorted(gclip.gallery.STRATEGIES)),
     "reproducible": st.booleans(),
     "error_if_nonfinite": st.booleans(),
     "replicated": st.none(),
@@ -235,7 +236,7 @@ def test_clip_simulated_returns_or_raises_a_gclip_error(call):
     snap = _snapshot(ranks)
     try:
         with watchdog():
-            results = gclip.clip_simulated(ranks, max_norm, **call)
+            results = gclip.gallery.clip_simulated(ranks, max_norm, **call)
     except GclipError as exc:
         assert _is_one_line(str(exc)), repr(str(exc))
         assert _unchanged(snap), "a failed call changed its input"
@@ -407,7 +408,7 @@ def test_large_p_norm_of_one_element_is_its_magnitude(p, x):
 
 def test_messages_are_one_line_whatever_the_input():
     with pytest.raises(GclipError) as info:
-        gclip.clip_simulated([np.ones(2)], 1.0, mode=np.ones((2, 2)))
+        gclip.gallery.clip_simulated([np.ones(2)], 1.0, mode=np.ones((2, 2)))
     assert _is_one_line(str(info.value)), repr(str(info.value))
 
 

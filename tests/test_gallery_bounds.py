@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import gclip
+import gclip.gallery
 from gclip import Mesh, demo
 from gclip._lab import transformer
-from gclip.strategies import LAYOUT_BUG_NAMES, STRATEGIES
+from gclip.gallery import LAYOUT_BUG_NAMES, STRATEGIES
 
 RANKS = range(2, 9)
 SEEDS = (0, 1, 2, 3, 7)
@@ -50,7 +51,7 @@ class Data:
     def run(self, mode: str, norm_type: float = 2.0) -> tuple[list, np.ndarray]:
         grads = [[s.copy()] + ([self.bias.copy()] if self.bias is not None else []) for s in self.shards]
         flags = [False, True] if self.bias is not None else [False]
-        res = gclip.clip_simulated(grads, LIMIT, mode=mode, norm_type=norm_type, replicated=flags)
+        res = gclip.gallery.clip_simulated(grads, LIMIT, mode=mode, norm_type=norm_type, replicated=flags)
         parts = [r.grads[0] for r in res] + ([res[0].grads[1]] if self.bias is not None else [])
         return res, np.concatenate(parts)
 
@@ -181,7 +182,7 @@ def test_fp16_sumsq(data):
 
 def test_every_combine_bug_has_a_check():
     checked = {name.removeprefix("test_").replace("_", "-") for name in globals() if name.startswith("test_")}
-    assert {b.name for b in gclip.BUGS} <= checked
+    assert {b.name for b in gclip.gallery.BUGS} <= checked
 
 
 # ---------------------------------------------------------------------------

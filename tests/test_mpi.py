@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import gclip
+import gclip.gallery
 import seed_oracle
 from conftest import agree
 from gclip.contract import rounded, seed_checks
@@ -73,7 +74,7 @@ def clip_spread(comm, shards, limit, **kwargs):
     decimals (as the seed rounds them), in shard order, on every rank; and this rank's result."""
     mine = my_shards(comm, len(shards))
     arrays = [np.asarray(shards[i], dtype=float) for i in mine]
-    result = gclip.clip_by_global_norm(arrays, limit, comm=comm, **kwargs)
+    result = gclip.gallery.clip_by_global_norm(arrays, limit, comm=comm, **kwargs)
     by_shard = {}
     for pieces in comm.allgather([(i, rounded(g)) for i, g in zip(mine, result.grads)]):
         by_shard.update(pieces)
@@ -88,7 +89,7 @@ def clip_in_rounds(comm, shards, limit, **kwargs):
     for first in range(0, len(shards), comm.size):
         i = first + comm.rank
         arrays = [np.asarray(shards[i], dtype=float)] if i < len(shards) else []
-        result = gclip.clip_by_global_norm(arrays, limit, comm=comm, **kwargs)
+        result = gclip.gallery.clip_by_global_norm(arrays, limit, comm=comm, **kwargs)
         for pieces in comm.allgather([(i, rounded(g)) for g in result.grads]):
             by_shard.update(pieces)
     return [by_shard[i] for i in range(len(shards))]
@@ -204,7 +205,7 @@ def test_matches_torch_clip_grad_norm(comm, norm_type):
     for t in tensors:
         t.grad = t.clone()
     ref = float(torch.nn.utils.clip_grad_norm_(tensors, 0.5, norm_type=norm_type))
-    result = gclip.clip_by_global_norm(mine, 0.5, norm_type=norm_type, mode="epsilon")
+    result = gclip.gallery.clip_by_global_norm(mine, 0.5, norm_type=norm_type, mode="epsilon")
     agree(comm, math.isclose(result.total_norm, ref, rel_tol=1e-12), f"{result.total_norm} vs {ref}")
     expected = [np.array_split(t.grad.numpy(), comm.size)[comm.rank] for t in tensors]
     got = [result.grads[i] for i in kept]
@@ -220,7 +221,7 @@ def test_replicated_tensors_count_once(comm):
     double = math.sqrt(sum(float(s @ s) for s in shards) + comm.size * float(bias @ bias))
     mine = [shards[comm.rank], bias.copy()]
     got = gclip.global_norm(mine, replicated=[False, True])
-    bug = gclip.global_norm(mine, replicated=[False, True], mode="double-count")
+    bug = gclip.gallery.global_norm(mine, replicated=[False, True], mode="double-count")
     agree(comm, math.isclose(got, right, rel_tol=1e-13), f"{got} vs {right}")
     agree(comm, math.isclose(bug, double, rel_tol=1e-13), f"double-count {bug} vs {double}")
     if comm.size > 1:

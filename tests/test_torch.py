@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
 import gclip  # noqa: E402
+import gclip.gallery.torch as gallery_torch  # noqa: E402
 import gclip.torch as gt  # noqa: E402
 import torch_oracle  # noqa: E402
 from conftest import OneRankComm  # noqa: E402
@@ -310,11 +311,13 @@ def test_views_of_one_memory_count_once_and_disjoint_views_are_fine():
 def test_the_gallery_modes_run_on_tensors():
     params = parameters(8, [torch.float32] * 4, 1e3)  # squares above float16's 65504
     n = fsum_norm([float64(p.grad) for p in params])
-    assert gt.clip_grad_norm_(params, 1.0, comm=ONE, mode="epsilon").item() == pytest.approx(n, rel=1e-13)
+    assert gallery_torch.clip_grad_norm_(params, 1.0, comm=ONE, mode="epsilon").item() == pytest.approx(
+        n, rel=1e-13
+    )
     after = fsum_norm([float64(p.grad) for p in params])
     assert after == pytest.approx(1.0 * n / (n + 1e-6), rel=1e-6)
     params = parameters(8, [torch.float32] * 4, 1e3)
-    assert math.isinf(gt.clip_grad_norm_(params, 1.0, comm=ONE, mode="fp16-sumsq").item())
+    assert math.isinf(gallery_torch.clip_grad_norm_(params, 1.0, comm=ONE, mode="fp16-sumsq").item())
     assert all(not p.grad.any() for p in params)  # max_norm / inf = 0: the step's gradient is wiped
 
 
@@ -358,7 +361,11 @@ def one_param(dtype=torch.float32, shape=(3,)):
             "replicated[0]",
         ),
         (lambda: gt.clip_grad_norm_([one_param()], 1.0, comm="world"), gclip.GclipTypeError, "ProcessGroup"),
-        (lambda: gt.clip_grad_norm_([one_param()], 1.0, mode="no", comm=ONE), gclip.GclipValueError, "mode"),
+        (
+            lambda: gallery_torch.clip_grad_norm_([one_param()], 1.0, mode="no", comm=ONE),
+            gclip.GclipValueError,
+            "mode",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_gclip_errors(call, error, words):

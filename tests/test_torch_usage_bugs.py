@@ -1,4 +1,4 @@
-"""The gallery's usage bugs (strategies.USAGE_BUGS): each one's wrong result with
+"""The gallery's usage bugs (gallery.USAGE_BUGS): each one's wrong result with
 plain torch, and the right one with gclip.torch."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip inst
 
 import gclip.torch as gt  # noqa: E402
 from conftest import OneRankComm  # noqa: E402
-from gclip.strategies import USAGE_BUG_NAMES, USAGE_BUGS  # noqa: E402
+from gclip.gallery import USAGE_BUG_NAMES, USAGE_BUGS  # noqa: E402
 
 ONE = OneRankComm()
 MAX_NORM = 0.5

@@ -3,10 +3,11 @@
 When a gradient is sharded over R ranks, clipping must use the GLOBAL norm:
 each rank's local sum of squares, one all-reduce, the same scale on every rank.
 
-The core is the modules here (``clip``, ``layout``, ``replicas``, ``engine``,
-``partials``, ``strategies``, ``errors``, ``contract``); the lab around it is the
-subpackages, each run as ``python -m gclip.X``: ``demo``, ``train``,
-``conformance`` (the judge) and ``bench``.
+The core is the modules here (``clip``, ``torch``, ``layout``, ``replicas``,
+``engine``, ``policy``, ``partials``, ``errors``, ``contract``); the lab around
+it is the subpackages: ``gallery`` (the bugs), and, each run as
+``python -m gclip.X``, ``demo``, ``train``, ``conformance`` (the judge) and
+``bench``. See docs/architecture.md.
 """
 
 from .clip import (
@@ -22,11 +23,8 @@ from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
 from .layout import Group, Mesh, Placement
 from .replicas import check_replicas, explain
-from .strategies import BUGS, STRATEGIES
 
 __all__ = [
-    "BUGS",
-    "STRATEGIES",
     "ClipResult",
     "GclipError",
     "GclipTypeError",

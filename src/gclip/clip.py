@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _kernels, _validate, engine, layout, partials, strategies
+from . import _kernels, _validate, engine, layout, partials, policy
 from .errors import GclipTypeError
 
 __all__ = [
@@ -66,7 +66,7 @@ class _Call(NamedTuple):
 
 
 _NO_LIMIT = object()  # global_norm: no max_norm to check
-_FALLBACK_SPEC = engine.Spec(strategies.GLOBAL, 2.0, False)  # what a refusing rank reports
+_FALLBACK_SPEC = engine.Spec(engine.CORRECT, 2.0, False)  # what a refusing rank reports
 _NOTHING = _validate.Grads([], None, list)
 
 
@@ -78,7 +78,7 @@ def _prepare(
     size: int,
     comm: Any = None,
     norm_type: Any = 2.0,
-    mode: Any = "global",
+    steps: engine.Steps = engine.CORRECT,
     inplace: bool = False,
     reproducible: bool = False,
     error_if_nonfinite: bool = False,
@@ -94,7 +94,7 @@ def _prepare(
     counting = engine.EVERY_ARRAY
     error: BaseException | None = None
     try:
-        spec, limit = _settings(mode, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
+        spec, limit = _settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
         given = _validate.grads(grads, inplace)
         if replicated is not None:
             if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
@@ -109,30 +109,25 @@ def _prepare(
 
 
 def _settings(
-    mode: Any, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
+    steps: engine.Steps, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
 ) -> tuple[engine.Spec, float]:
     """The checked scalar arguments as (Spec, limit). A training loop passes the
     same ones every step, so they are checked (and fingerprinted) once."""
-    key = (mode, norm_type, max_norm, reproducible, error_if_nonfinite)
-    if (
-        type(mode) in _PLAIN
-        and type(norm_type) in _PLAIN
-        and (type(max_norm) in _PLAIN or max_norm is _NO_LIMIT)
-    ):
-        return _cached_settings(*key)  # the two flags come as bools
+    key = (steps, norm_type, max_norm, reproducible, error_if_nonfinite)
+    if type(norm_type) in _PLAIN and (type(max_norm) in _PLAIN or max_norm is _NO_LIMIT):
+        return _cached_settings(*key)  # the two flags come as bools; steps hash by identity
     return _check_settings(*key)  # e.g. a tensor as max_norm: it hashes by identity, not value
 
 
 def _check_settings(
-    mode: Any, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
+    steps: engine.Steps, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
 ) -> tuple[engine.Spec, float]:
-    strategy = strategies.get(mode)
     p = _validate.norm_type(norm_type)
     limit = _validate.max_norm(max_norm) if max_norm is not _NO_LIMIT else math.nan
     if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
         raise _validate.GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
     extra = (("max_norm", limit), ("error_if_nonfinite", error_if_nonfinite))
-    return engine.Spec(strategy, p, reproducible, extra), limit
+    return engine.Spec(steps, p, reproducible, extra), limit
 
 
 _PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe cache keys
@@ -141,17 +136,13 @@ _cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
 
 
 def _program(call: _Call, rank: int, size: int) -> engine.Program:
-    def check() -> None:
-        if call.error is not None:
-            raise call.error
-
     return engine.norm_program(
         call.grads.arrays,
         call.spec,
         rank=rank,
         size=size,
         counting=call.counting,
-        check=check,
+        refused=call.error,
         error_if_nonfinite=call.error_if_nonfinite,
     )
 
@@ -159,7 +150,7 @@ def _program(call: _Call, rank: int, size: int) -> engine.Program:
 def _finish(call: _Call, info: engine.NormInfo) -> ClipResult:
     """The scale, applied. A non-finite norm was already raised on every rank if asked."""
     norm = info.norm
-    scale = call.spec.strategy.scale(norm, call.max_norm)
+    scale = call.spec.steps.scale(norm, call.max_norm)
     out = _scaled(call.grads, scale, call.inplace)
     return ClipResult(out, norm, scale, math.isfinite(norm), info.local_norm, info.local_power)
 
@@ -176,7 +167,6 @@ def global_norm(
     reproducible: bool = False,
     replicated: Sequence[Any] | None = None,
     error_if_nonfinite: bool = False,
-    mode: str = "global",
 ) -> float:
     """The norm of the whole gradient, whose parts live on the ranks of ``comm``.
 
@@ -192,8 +182,29 @@ def global_norm(
             every rank of ``comm``) or the communicator of the ranks that hold
             identical copies; a copy counts once (see ``gclip.layout``).
         error_if_nonfinite: raise NonFiniteNormError on every rank if the norm is inf or NaN.
-        mode: ``"global"``, or the name of a gallery bug (see ``gclip.strategies``).
     """
+    return norm_by(
+        engine.CORRECT,
+        grads,
+        comm=comm,
+        norm_type=norm_type,
+        reproducible=reproducible,
+        replicated=replicated,
+        error_if_nonfinite=error_if_nonfinite,
+    )
+
+
+def norm_by(
+    steps: engine.Steps,
+    grads: Any,
+    *,
+    comm: Any = None,
+    norm_type: float | str = 2.0,
+    reproducible: bool = False,
+    replicated: Sequence[Any] | None = None,
+    error_if_nonfinite: bool = False,
+) -> float:
+    """:func:`global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     call = _prepare(
@@ -203,7 +214,7 @@ def global_norm(
         size=size,
         comm=comm,
         norm_type=norm_type,
-        mode=mode,
+        steps=steps,
         reproducible=reproducible,
         replicated=replicated,
         error_if_nonfinite=error_if_nonfinite,
@@ -217,7 +228,6 @@ def clip_by_global_norm(
     *,
     comm: Any = None,
     norm_type: float | str = 2.0,
-    mode: str = "global",
     error_if_nonfinite: bool = False,
     inplace: bool = False,
     reproducible: bool = False,
@@ -236,11 +246,37 @@ def clip_by_global_norm(
         max_norm: the limit, finite and >= 0.
         inplace: scale the given arrays in place (skipped when the scale is 1);
             otherwise new arrays of the same dtypes are returned.
-        comm, norm_type, reproducible, replicated, mode: as in :func:`global_norm`.
+        comm, norm_type, reproducible, replicated: as in :func:`global_norm`.
 
     Returns:
         ClipResult with ``grads`` in the layout given, ``total_norm``, ``scale``, ...
     """
+    return clip_by(
+        engine.CORRECT,
+        grads,
+        max_norm,
+        comm=comm,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        inplace=inplace,
+        reproducible=reproducible,
+        replicated=replicated,
+    )
+
+
+def clip_by(
+    steps: engine.Steps,
+    grads: Any,
+    max_norm: float,
+    *,
+    comm: Any = None,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    inplace: bool = False,
+    reproducible: bool = False,
+    replicated: Sequence[Any] | None = None,
+) -> ClipResult:
+    """:func:`clip_by_global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     call = _prepare(
@@ -250,7 +286,7 @@ def clip_by_global_norm(
         size=size,
         comm=comm,
         norm_type=norm_type,
-        mode=mode,
+        steps=steps,
         inplace=inplace,
         reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
@@ -265,7 +301,6 @@ def clip_simulated(
     max_norm: float,
     *,
     norm_type: float | str = 2.0,
-    mode: str = "global",
     reproducible: bool = False,
     replicated: Sequence[Any] | None = None,
     error_if_nonfinite: bool = False,
@@ -278,6 +313,30 @@ def clip_simulated(
     :class:`gclip.layout.Group` entries for groups). The same engine runs as on
     real ranks; only the all-reduce is a sum over a list.
     """
+    return clip_simulated_by(
+        engine.CORRECT,
+        ranks,
+        max_norm,
+        norm_type=norm_type,
+        reproducible=reproducible,
+        replicated=replicated,
+        error_if_nonfinite=error_if_nonfinite,
+        inplace=inplace,
+    )
+
+
+def clip_simulated_by(
+    steps: engine.Steps,
+    ranks: Sequence[Any],
+    max_norm: float,
+    *,
+    norm_type: float | str = 2.0,
+    reproducible: bool = False,
+    replicated: Sequence[Any] | None = None,
+    error_if_nonfinite: bool = False,
+    inplace: bool = False,
+) -> list[ClipResult]:
+    """:func:`clip_simulated` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     size = len(ranks)
     per_rank = (
         isinstance(replicated, (list, tuple))
@@ -293,7 +352,7 @@ def clip_simulated(
             rank=r,
             size=size,
             norm_type=norm_type,
-            mode=mode,
+            steps=steps,
             inplace=inplace,
             reproducible=reproducible,
             error_if_nonfinite=error_if_nonfinite,
@@ -312,7 +371,7 @@ def clip_scale(total_norm: float, max_norm: float) -> float:
     norm = _validate._scalar(total_norm, "total_norm")
     if norm < 0:
         raise _validate.GclipValueError(f"total_norm must be >= 0, got {norm!r}")
-    return strategies.GLOBAL.scale(norm, limit)
+    return policy.scale(norm, limit)
 
 
 def clip_with_norm(grads: Any, max_norm: float, total_norm: float, *, inplace: bool = False) -> Any:
@@ -367,17 +426,9 @@ def _multiply(src: np.ndarray, scale: float, dst: np.ndarray) -> None:
     if src.dtype.itemsize == 8:
         np.multiply(src, scale, out=dst)
     elif src.dtype.itemsize == 4:
-        np.multiply(src, _toward_zero32(scale), out=dst)
+        np.multiply(src, policy.float32_toward_zero(scale), out=dst)
     else:
         np.multiply(src, scale, out=dst, dtype=np.float64, casting="same_kind")
-
-
-def _toward_zero32(scale: float) -> np.float32:
-    """The scale rounded to float32 toward zero (never up)."""
-    s32 = np.float32(scale)
-    if float(s32) > scale:
-        s32 = np.nextafter(s32, np.float32(0.0))
-    return s32
 
 
 def _multiply_many(arrays: list[np.ndarray], scale: float) -> Sequence[np.ndarray]:
@@ -387,5 +438,5 @@ def _multiply_many(arrays: list[np.ndarray], scale: float) -> Sequence[np.ndarra
     table = kernels.table_for(arrays, writable=True) if kernels is not None else None
     if table is None or not table.compiled:
         return arrays
-    kernels.scale(table, scale, _toward_zero32(scale))
+    kernels.scale(table, scale, policy.float32_toward_zero(scale))
     return partials.left_to_numpy(arrays, table)

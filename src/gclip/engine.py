@@ -31,24 +31,35 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import partials
+from . import partials, policy
 from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
-from .strategies import Accumulate, NormOp, Scope, Share, Strategy
-from .strategies import exact_norm as _exact_norm
 
 __all__ = [
+    "CORRECT",
     "EVERY_ARRAY",
     "HEADER_SIZE",
     "Counting",
     "Gather",
+    "Local",
     "NormInfo",
+    "NormOp",
     "Program",
     "Reduce",
     "Spec",
+    "Steps",
+    "counted",
     "norm_program",
+    "rescued",
     "run_mpi",
     "run_simulated",
 ]
+
+
+class NormOp(enum.Enum):
+    """How a collective combines the ranks' numbers."""
+
+    SUM = "sum"
+    MAX = "max"
 
 
 class Reduce(NamedTuple):
@@ -70,24 +81,24 @@ Program = Generator["Reduce | Gather", Any, "NormInfo"]
 class NormInfo(NamedTuple):
     """What a rank knows after the combine: the norm and how it came about."""
 
-    norm: float  # the norm the strategy clips by
+    norm: float  # the norm the clip scales by
     local_norm: float  # this rank's own norm (the arrays it counts)
     local_power: float  # this rank's sum |x|**p (max |x| for inf)
 
 
 class Counting(NamedTuple):
-    """Which of this rank's arrays it counts, and the check that the ranks agree on it.
+    """Which of this rank's arrays it counts, and the test that the ranks agree on it.
 
     ``owned[i]``: this rank counts array i (a replicated array counts on one
-    rank of its group). ``check`` is this rank's share of two sums that are
+    rank of its group). ``ring`` is this rank's share of two sums that are
     exactly 0 over all ranks when every group agrees on what it holds (see
-    ``layout``); they ride in the header, so the check costs no collective.
+    ``layout``); they ride in the header, so the test costs no collective.
     ``summary`` is what this rank declared, gathered only to explain a
     disagreement, and ``explain(summaries)`` says it in one line.
     """
 
     owned: Sequence[bool] | None = None  # None: every array is this rank's
-    check: tuple[float, float] = (0.0, 0.0)
+    ring: tuple[float, float] = (0.0, 0.0)
     summary: Any = None
     explain: Callable[[list[Any]], str] | None = None
 
@@ -95,18 +106,81 @@ class Counting(NamedTuple):
 EVERY_ARRAY = Counting()
 
 
+class Local(NamedTuple):
+    """What a rank knows of its own arrays before any collective."""
+
+    counted: Sequence[np.ndarray] = ()
+    count: int = 0
+    power: float = 0.0  # sum |x|**p (finite p), max |x| (inf)
+    rescue: bool = False  # the plain sum overflowed or underflowed
+    nan: bool = False  # inf-norm: a NaN was seen
+    part: np.ndarray | None = None  # reproducible mode: the binned digits
+    norm: float = 0.0  # this rank's own norm
+    backend: Any = partials  # computes partials of ``counted`` (the rescue needs it again)
+
+
+_REFUSED = Local()  # what a rank whose arguments were refused brings to the header
+
+
+class Steps:
+    """The clip's steps, correct: local -> combine -> finish -> scale.
+
+    This is the hook where a step can be replaced: a subclass overrides a
+    method and the engine runs it in place of the correct one, on real and on
+    simulated ranks alike. The core itself only ever runs :data:`CORRECT`; the
+    lab's gallery (``gclip.gallery``) installs its bugs this way. ``name`` is
+    part of the fingerprint the ranks compare, so all must run the same steps.
+    """
+
+    name: str
+    per_rank = False  # True: each rank clips by its own norm (a non-finite one is this rank's own)
+
+    def __init__(self, name: str = "global") -> None:
+        self.name = name
+
+    def local(self, arrays: Sequence[Any], spec: Spec, owned: Sequence[bool] | None, backend: Any) -> Local:
+        """This rank's partial: its sum of |x|**p (max |x| for inf), or its binned digits."""
+        return _local(counted(arrays, owned), spec, backend)
+
+    def in_header(self, rank: int) -> bool:
+        """Does this rank's power sum enter the header's SUM?"""
+        return True
+
+    def header_suffices(self, local: Local, spec: Spec, total: list[float]) -> bool:
+        """The header's SUM is the whole answer: no digits, no rescue, a finite p."""
+        return local.part is None and not total[_RESCUE] and not math.isinf(spec.norm_type)
+
+    def combine(self, local: Local, spec: Spec, rank: int, total: list[float]) -> Generator:
+        """The second collective, where the header does not suffice:
+        (the norm, the power sum as (mant, exp) if known)."""
+        return _combine(local, spec, total, self.in_header(rank))
+
+    def finish(
+        self, norm: float, *, p: float, count: int, ranks: int, power: tuple[float, int] | None
+    ) -> float:
+        """The combined norm -> the norm the clip scales by."""
+        return norm
+
+    def scale(self, norm: float, max_norm: float) -> float:
+        """The factor applied (the scale rule, ``gclip.policy``)."""
+        return policy.scale(norm, max_norm)
+
+
+CORRECT = Steps()
+
+
 @dataclass(frozen=True)
 class Spec:
     """Everything every rank must agree on, fingerprinted in the header."""
 
-    strategy: Strategy
+    steps: Steps
     norm_type: float
     reproducible: bool
     extra: tuple[tuple[str, Any], ...] = ()  # e.g. max_norm: checked here, used by the caller
 
     def describe(self) -> str:
         items = [
-            ("mode", self.strategy.name),
+            ("mode", self.steps.name),
             ("norm_type", self.norm_type),
             ("reproducible", self.reproducible),
             *self.extra,
@@ -135,7 +209,7 @@ class _Slot(enum.IntEnum):
     SUM = 6  # sum |x|**p (ranks whose partial enters the combine)
     RESCUE = 7  # 1 where the plain sum over- or underflowed
     NONFINITE = 8  # 1 where this rank's own norm is inf or NaN
-    LAYOUT1 = 9  # the counting check: 0 over all ranks when the groups agree
+    LAYOUT1 = 9  # the counting ring sums: 0 over all ranks when the groups agree
     LAYOUT2 = 10
 
 
@@ -152,32 +226,33 @@ def norm_program(
     rank: int,
     size: int,
     counting: Counting = EVERY_ARRAY,
-    check: Callable[[], None] | None = None,
+    refused: BaseException | None = None,
     error_if_nonfinite: bool = False,
     backend: Any = partials,
 ) -> Program:
     """One rank's part of the norm: yields collectives, returns a NormInfo.
 
-    All local work happens before the header, so whatever ``check`` or the
-    local reduction raises becomes this rank's error flag, and every rank
-    raises it together. After the header nothing rank-specific can fail.
+    All local work happens before the header, so an argument the caller
+    ``refused`` or whatever the local reduction raises becomes this rank's
+    error flag, and every rank raises it together. After the header only the
+    collectives and the arithmetic on their results run, except the overflow
+    rescue, which reads the arrays again.
 
     ``backend`` computes the local partials where the arrays live: the
     ``partials`` module for numpy arrays (the default), or a module with the
-    same functions for other arrays (``gclip.torch``'s, on the tensor's device).
+    same functions for other arrays (``gclip._torch_partials``, on the tensor's device).
     """
-    strategy = spec.strategy
-    error: BaseException | None = None
-    local = _NOTHING
-    try:
-        if check is not None:
-            check()
-        local = _local(arrays, spec, counting.owned, backend)
-    except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
-        error = exc
+    steps = spec.steps
+    error: BaseException | None = refused
+    local = _REFUSED
+    if error is None:
+        try:
+            local = steps.local(arrays, spec, counting.owned, backend)
+        except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
+            error = exc
 
     h1, h2 = spec.fingerprint
-    mine = _shares(strategy, rank) and strategy.share is Share.POWER
+    in_header = steps.in_header(rank)
     header = np.array(  # floats only: numpy builds it fastest
         [
             1.0 if error is not None else 0.0,
@@ -186,10 +261,10 @@ def norm_program(
             h2,
             h2 * h2,
             float(local.count),
-            local.power if mine else 0.0,
-            1.0 if local.rescue and mine else 0.0,
+            local.power if in_header else 0.0,
+            1.0 if local.rescue and in_header else 0.0,
             0.0 if math.isfinite(local.norm) else 1.0,
-            *(counting.check if error is None else (0.0, 0.0)),
+            *(counting.ring if error is None else (0.0, 0.0)),
         ]
     )
     total = (yield Reduce(header)).tolist()  # Python floats: cheaper to read than numpy scalars
@@ -198,19 +273,18 @@ def norm_program(
     if total[_ERROR] or mismatch or disagree:
         yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
 
-    if _header_suffices(spec, local, total):  # the default L2 path: the header was the one collective
+    if steps.header_suffices(local, spec, total):  # the default L2 path: the header was the one collective
         norm, power = partials.root(total[_SUM], 0, spec.norm_type), (total[_SUM], 0)
     else:
-        norm, power = yield from _combine(local, spec, rank, total)
-    if strategy.finish_norm is not _exact_norm:  # a bug that finishes otherwise (rms, mean...)
-        norm = strategy.finish(norm=norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
+        norm, power = yield from steps.combine(local, spec, rank, total)
+    if steps is not CORRECT:  # a replaced finish (the gallery's rms, mean...)
+        norm = steps.finish(norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
     if error_if_nonfinite:
-        # decided on what every rank knows: the global norm, or (scope self) the header's flag
-        per_rank = strategy.scope is Scope.SELF
-        bad = total[_NONFINITE] > 0 if per_rank else not math.isfinite(norm)
+        # decided on what every rank knows: the global norm, or (each rank its own) the header's flag
+        bad = total[_NONFINITE] > 0 if steps.per_rank else not math.isfinite(norm)
         if bad:
             holders = yield Gather(not math.isfinite(local.norm))
-            raise _nonfinite_error(spec, norm, holders, per_rank)
+            raise _nonfinite_error(spec, norm, holders, steps.per_rank)
     return NormInfo(norm, local.norm, local.power)
 
 
@@ -226,69 +300,27 @@ def _nonfinite_error(spec: Spec, norm: float, holders: list[bool], per_rank: boo
     return NonFiniteNormError(f"{what} ({where}; error_if_nonfinite=True)")
 
 
-class _Local(NamedTuple):
-    """What a rank knows of its own arrays before any collective."""
-
-    counted: Sequence[np.ndarray] = ()
-    count: int = 0
-    power: float = 0.0  # sum |x|**p (finite p), max |x| (inf)
-    rescue: bool = False  # the plain sum overflowed or underflowed
-    nan: bool = False  # inf-norm: a NaN was seen
-    part: np.ndarray | None = None  # reproducible mode: the binned digits
-    norm: float = 0.0  # this rank's own norm
-    backend: Any = partials  # computes partials of ``counted`` (the rescue needs it again)
-
-
-_NOTHING = _Local()
-
-
-def _header_suffices(spec: Spec, local: _Local, total: list[float]) -> bool:
-    """The power sums of all ranks are in the header and no rank needs a rescue."""
-    strategy = spec.strategy
-    return (
-        strategy.scope is Scope.ALL
-        and strategy.share is Share.POWER
-        and local.part is None
-        and not total[_RESCUE]
-        and not math.isinf(spec.norm_type)
-    )
-
-
-def _local(arrays: Sequence[Any], spec: Spec, owned: Sequence[bool] | None, backend: Any) -> _Local:
-    strategy, p = spec.strategy, spec.norm_type
-    counted = _counted(arrays, owned, strategy)
+def _local(counted: Sequence[Any], spec: Spec, backend: Any) -> Local:
+    p = spec.norm_type
     count = backend.count(counted)
     if math.isinf(p):
         top, nan = backend.max_abs(counted)
-        return _Local(counted, count, top, nan=nan, norm=math.nan if nan else top, backend=backend)
-    if strategy.accumulate is Accumulate.FLOAT16:  # the fp16 bug, even when reproducible
-        power = backend.half_power_sum(counted, p)
-        return _Local(counted, count, power, norm=partials.root(power, 0, p), backend=backend)
+        return Local(counted, count, top, nan=nan, norm=math.nan if nan else top, backend=backend)
     if spec.reproducible:
         binned = partials.BinnedPowerSum(p)
         part = backend.binned_digits(binned, counted)
         norm, (mant, exp) = binned.summary(part)
-        return _Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
+        return Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
     power, rescue = backend.power_sum(counted, p)
-    norm = _run_local(_rescued(counted, p, None, backend)) if rescue else partials.root(power, 0, p)
-    return _Local(counted, count, power, rescue, False, None, norm, backend)
+    norm = _run_local(rescued(counted, p, None, backend)) if rescue else partials.root(power, 0, p)
+    return Local(counted, count, power, rescue, False, None, norm, backend)
 
 
-def _shares(strategy: Strategy, rank: int) -> bool:
-    """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
-    return strategy.scope is Scope.ALL or (strategy.scope is Scope.ROOT and rank == 0)
-
-
-def _counted(
-    arrays: Sequence[np.ndarray], owned: Sequence[bool] | None, strategy: Strategy
-) -> Sequence[np.ndarray]:
-    """The arrays this rank counts: a replicated one on one rank of its group only.
-
-    The per-rank bug (scope self) and the double-count bug count every copy.
-    """
-    if owned is None or strategy.count_replicated or strategy.scope is Scope.SELF:
+def counted(arrays: Sequence[Any], owned: Sequence[bool] | None) -> Sequence[Any]:
+    """The arrays this rank counts: a replicated one on one rank of its group only."""
+    if owned is None:
         return arrays
-    return [a for a, mine in zip(arrays, owned) if mine]
+    return [a for a, own in zip(arrays, owned) if own]
 
 
 def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Generator:
@@ -301,49 +333,45 @@ def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch
     raise GclipValueError(explain([summary for _, _, summary in reports]))
 
 
-def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Generator:
-    """The strategy's combine: (the norm it clips by, the power sum as (mant, exp) if known)."""
-    strategy, p = spec.strategy, spec.norm_type
-    if strategy.scope is Scope.SELF:  # no other rank is asked
-        return local.norm, (local.power, 0)
-    shares = _shares(strategy, rank)
+def _combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Generator:
+    """The second collective: (the norm, the power sum as (mant, exp) if known).
 
-    def mine(vec: list[float], fill: float = 0.0) -> np.ndarray:
+    ``shares``: this rank's partial enters it (else it brings the neutral value).
+    """
+    p = spec.norm_type
+
+    def contribution(vec: list[float], fill: float = 0.0) -> np.ndarray:
         return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
 
-    if strategy.share is Share.NORM:  # the norm-sharing bugs: local norms combined
-        nan = math.isnan(local.norm)  # as a flag: MPI's MAX may drop a NaN
-        got = yield Reduce(mine([0.0 if nan else local.norm, float(nan)]), strategy.norm_op)
-        return (math.nan if got[1] > 0 else float(got[0])), None
     if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
-        got = yield Reduce(mine([local.power, float(local.nan)], -1.0), NormOp.MAX)
+        got = yield Reduce(contribution([local.power, float(local.nan)], -1.0), NormOp.MAX)
         return (math.nan if got[1] > 0 else float(got[0])), None
     if local.part is not None:  # reproducible: integer digit counts, exact in any order
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
         return binned.summary(got)
     if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
-        norm = yield from _rescued(local.counted if shares else (), p, mine, local.backend)
+        norm = yield from rescued(local.counted if shares else (), p, contribution, local.backend)
         return norm, None
-    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # rank 0's sum (scope root)
+    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum
 
 
-def _rescued(counted, p: float, mine, backend: Any) -> Generator:
+def rescued(counted, p: float, contribution, backend: Any) -> Generator:
     """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
 
-    ``mine`` builds this rank's contribution to a collective; None: this rank alone.
+    ``contribution`` builds this rank's part of a collective; None: this rank alone.
     """
     top, nan = backend.max_abs(counted)
-    if mine is not None:
-        got = yield Reduce(mine([top, float(nan)], -1.0), NormOp.MAX)
+    if contribution is not None:
+        got = yield Reduce(contribution([top, float(nan)], -1.0), NormOp.MAX)
         top, nan = float(got[0]), bool(got[1] > 0)
     if nan:
         return math.nan
     if top == 0.0 or math.isinf(top):
         return top
     s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
-    if mine is not None:
-        got = yield Reduce(mine([s]))
+    if contribution is not None:
+        got = yield Reduce(contribution([s]))
         s = float(got[0])
     return top * partials.root(s, 0, p)
 

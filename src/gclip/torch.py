@@ -8,7 +8,7 @@
 
 The signatures and returns of torch's ``clip_grad_norm_``, ``get_total_norm``
 and ``clip_grads_with_norm_``, plus gclip's keyword-only extras (``comm``,
-``replicated``, ``reproducible``, ``mode``). The norm is gclip's engine: each
+``replicated``, ``reproducible``). The norm is gclip's engine: each
 rank's partial, ONE all-reduce of a small header, the same scale on every
 rank, and any rank's bad input raised as the same error on every rank.
 
@@ -40,9 +40,8 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _torch_partials, _validate, clip, engine, layout
+from . import _torch_partials, _validate, clip, engine, layout, policy
 from .errors import GclipError, GclipTypeError, GclipValueError
-from .strategies import NormOp
 
 __all__ = ["FLOAT_DTYPES", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
@@ -85,7 +84,7 @@ class _TorchGroup:
             while True:
                 if type(request) is engine.Reduce:
                     buf = torch.tensor(request.data, dtype=torch.float64, device=self.device)
-                    op = dist.ReduceOp.MAX if request.op is NormOp.MAX else dist.ReduceOp.SUM
+                    op = dist.ReduceOp.MAX if request.op is engine.NormOp.MAX else dist.ReduceOp.SUM
                     dist.all_reduce(buf, op=op, group=self.process_group)
                     request = program.send(buf.cpu().numpy())
                 else:  # the error path: one small picklable item per rank
@@ -285,7 +284,7 @@ def _prepare(
     max_norm: Any,
     *,
     norm_type: Any,
-    mode: Any,
+    steps: engine.Steps,
     reproducible: bool,
     error_if_nonfinite: bool,
 ) -> _Call:
@@ -293,7 +292,7 @@ def _prepare(
     grads: list[torch.Tensor] = []
     spec, limit, counting, error = clip._FALLBACK_SPEC, math.nan, engine.EVERY_ARRAY, None
     try:
-        spec, limit = clip._settings(mode, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
+        spec, limit = clip._settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
         grads, entries = collect()
         if entries is not None:
             groups = [e if _is_flag(e) else world.group(e, i) for i, e in enumerate(entries)]
@@ -308,17 +307,13 @@ def _is_flag(entry: Any) -> bool:
 
 
 def _global_norm(world: _Mpi | _TorchGroup, call: _Call) -> float:
-    def check() -> None:
-        if call.error is not None:
-            raise call.error
-
     program = engine.norm_program(
         call.grads,
         call.spec,
         rank=world.rank,
         size=world.size,
         counting=call.counting,
-        check=check,
+        refused=call.error,
         error_if_nonfinite=call.error_if_nonfinite,
         backend=_torch_partials,
     )
@@ -350,19 +345,14 @@ def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -
         if dtype == torch.float64:
             factor = torch.full((), scale, dtype=torch.float64, device=device)
         else:
-            factor = torch.full((), _float32_toward_zero(scale), dtype=torch.float32, device=device)
+            factor = torch.full(
+                (), float(policy.float32_toward_zero(scale)), dtype=torch.float32, device=device
+            )
         if foreach is False:
             for g in group:
                 g.mul_(factor)
         else:
             torch._foreach_mul_(group, factor)
-
-
-def _float32_toward_zero(x: float) -> float:
-    x32 = np.float32(x)
-    if float(x32) > x:
-        x32 = np.nextafter(x32, np.float32(0.0))
-    return float(x32)
 
 
 # ---------------------------------------------------------------------------
@@ -402,7 +392,7 @@ def get_total_norm(
         lambda: _gradients(tensors, replicated, of_parameters=False),
         clip._NO_LIMIT,
         norm_type=norm_type,
-        mode="global",
+        steps=engine.CORRECT,
         reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
     )
@@ -438,7 +428,6 @@ def clip_grad_norm_(
     comm: Any = None,
     replicated: Sequence[Any] | None = None,
     reproducible: bool = False,
-    mode: str = "global",
 ) -> torch.Tensor:
     """Clip the gradients of every rank's parameters by their GLOBAL norm, in place.
 
@@ -456,22 +445,48 @@ def clip_grad_norm_(
         foreach: False scales tensor by tensor; None or True with torch's foreach kernels.
         comm, replicated, reproducible: as in :func:`get_total_norm` (one
             replicated entry per parameter given).
-        mode: "global", or a bug of the gallery (``gclip.strategies``), to show what it does.
 
     Returns:
         The global norm before clipping: a float64 0-d tensor on the first
         gradient's device, the same value on every rank.
     """
+    return clip_grad_norm_by(
+        engine.CORRECT,
+        parameters,
+        max_norm,
+        norm_type,
+        error_if_nonfinite,
+        foreach,
+        comm=comm,
+        replicated=replicated,
+        reproducible=reproducible,
+    )
+
+
+@torch.no_grad()
+def clip_grad_norm_by(
+    steps: engine.Steps,
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    comm: Any = None,
+    replicated: Sequence[Any] | None = None,
+    reproducible: bool = False,
+) -> torch.Tensor:
+    """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     world = _world(comm)
     call = _prepare(
         world,
         lambda: _gradients(parameters, replicated, of_parameters=True),
         max_norm,
         norm_type=norm_type,
-        mode=mode,
+        steps=steps,
         reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
     )
     norm = _global_norm(world, call)
-    _scale_(call.grads, call.spec.strategy.scale(norm, call.limit), foreach)
+    _scale_(call.grads, call.spec.steps.scale(norm, call.limit), foreach)
     return _norm_tensor(norm, call.grads)

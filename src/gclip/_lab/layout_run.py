@@ -1,7 +1,7 @@
 """The lab's model clipped on real ranks under a mesh: correctly, or with a gallery bug.
 
-A gallery bug is either a mode of the engine (``mode=``: the bug is in how the
-norm is combined) or a layout bug (``gclip.strategies.LAYOUT_BUGS``: the clip
+A gallery bug is either a mode of the engine (``gclip.gallery``'s ``mode=``: the bug is in how the
+norm is combined) or a layout bug (``gclip.gallery.LAYOUT_BUGS``: the clip
 is right, what it is told is wrong). :func:`clip_model` runs either on this
 rank and returns what the rank did; the demo gathers the results.
 
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import strategies
+from .. import gallery
 from ..clip import clip_by_global_norm, clip_with_norm, global_norm
 from ..engine import HEADER_SIZE
 from ..layout import Mesh
@@ -47,7 +47,7 @@ class RankClip(NamedTuple):
 
 def bug_names() -> list[str]:
     """Every bug the demo can run on a layout: the engine's modes, then the layout bugs."""
-    return [b.name for b in strategies.BUGS] + [b.name for b in strategies.LAYOUT_BUGS]
+    return [b.name for b in gallery.BUGS] + [b.name for b in gallery.LAYOUT_BUGS]
 
 
 def frozen_ranks(mesh: Mesh) -> list[int]:
@@ -72,8 +72,8 @@ def clip_model(
 
     Collective over ``mesh.comm``: every rank calls it with the same arguments.
     """
-    layout_bug = strategies.LAYOUT_BUG_NAMES.get(bug or "")
-    mode = bug if bug in strategies.STRATEGIES else "global"
+    layout_bug = gallery.LAYOUT_BUG_NAMES.get(bug or "")
+    mode = bug if bug in gallery.STRATEGIES else "global"
     placements = None
     if layout_bug is not None:
         placements = {pl: layout_bug.declare(pl) for pl in transformer.PLACEMENTS}
@@ -93,15 +93,15 @@ def clip_model(
             replicated=[entries[i] for i in kept],
         )
         clip_with_norm(arrays, max_norm, norm, inplace=True)
-        scale = strategies.GLOBAL.scale(norm, max_norm)
+        scale = gallery.GLOBAL.scale(norm, max_norm)
         counted = sum(arrays[i].size for i in set(kept))
         return RankClip(mesh.rank, mesh.coords, norm, scale, counted, held, pieces, "")
-    result = clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
+    result = gallery.clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
     counted = sum(p.array.size for p in pieces if p.replicated is False or _counts_here(p.replicated))
     return RankClip(mesh.rank, mesh.coords, result.total_norm, result.scale, counted, held, pieces, "")
 
 
-def _omitted(bug: strategies.LayoutBug, index: int, pieces: list) -> bool:
+def _omitted(bug: gallery.LayoutBug, index: int, pieces: list) -> bool:
     piece = (
         pieces[index] if index < len(pieces) else pieces[0]
     )  # past the pieces: the head, i.e. the embedding
@@ -112,7 +112,7 @@ def _counts_here(entry: Any) -> bool:
     return entry is True or (entry is not None and entry.Get_rank() == 0)
 
 
-def _clip_comm(mesh: Mesh, bug: strategies.LayoutBug | None) -> Any:
+def _clip_comm(mesh: Mesh, bug: gallery.LayoutBug | None) -> Any:
     """The communicator the clip reduces over: the world, or (a bug) one slice of it."""
     if bug is None or bug.apart is None or bug.apart not in mesh.shape:
         return mesh.comm

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..engine import HEADER_SIZE
 from ..errors import exception_line
-from ..strategies import TORCH_EPS
+from ..gallery import TORCH_EPS
 from .timing import slowest_rank_medians, time_reps
 from .workloads import DELTA, INACTIVE_FACTOR
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..strategies import TORCH_EPS
+from ..gallery import TORCH_EPS
 from .lists import base_row
 from .ops import Norm
 from .timing import slowest_rank_medians, time_reps

@@ -5,7 +5,7 @@ them: the scale each rank applied (least squares, ``implied.applied``),
 whether all ranks applied the same one, the norm that scale implies, and the
 true global norm (``gclip.global_norm`` on the gradients before). Each
 strategy of the gallery gives the scale it would have applied on each rank
-(``gclip.global_norm(..., mode=NAME)``: one small all-reduce each, no copy of
+(``gclip.gallery.global_norm(..., mode=NAME)``: one small all-reduce each, no copy of
 the gradients); the strategies whose scales equal the observed ones on every
 rank are the matches. Every rank returns the same :class:`Diagnosis`.
 """
@@ -18,8 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import strategies
-from ..clip import global_norm
+from .. import gallery
 from ..errors import GclipValueError
 from . import implied
 from .hangs import rank_list
@@ -104,18 +103,18 @@ def diagnose(
     rtol = max((RTOL.get(x.dtype.name, 1e-9) for x in b), default=1e-9)
     mine = implied.applied(b, a, rtol)
     norms = {}
-    for s in (strategies.GLOBAL, *strategies.BUGS):
+    for s in (gallery.GLOBAL, *gallery.BUGS):
         if s.norm_type is None:  # inf-pow shows only with norm_type=inf: never with a 2-norm clip
-            norms[s.name] = global_norm(b, comm=comm, mode=s.name, replicated=replicated)
+            norms[s.name] = gallery.global_norm(b, comm=comm, mode=s.name, replicated=replicated)
     true_norm = norms["global"]
-    would = {name: strategies.STRATEGIES[name].scale(n, limit) for name, n in norms.items()}
+    would = {name: gallery.STRATEGIES[name].scale(n, limit) for name, n in norms.items()}
     table = comm.allgather((mine.scale, mine.uniform, rtol, would, norms["per-rank"]))
     scales = [row[0] for row in table]
     uniform = [row[1] for row in table]
     tol = max(row[2] for row in table)
     told = [s for s in scales if s is not None]
     same = all(_same(s, told[0], tol) for s in told) if told else True
-    expected = strategies.GLOBAL.scale(true_norm, limit)
+    expected = gallery.GLOBAL.scale(true_norm, limit)
     matches = [
         name
         for name in would
@@ -164,7 +163,7 @@ def _lines(d: Diagnosis, limit: float) -> list[str]:
     elif d.bug == "unknown":
         lines.append("verdict: wrong, like no bug of the gallery")
     else:
-        bug = strategies.STRATEGIES[d.bug]
+        bug = gallery.STRATEGIES[d.bug]
         lines.append(f"verdict: wrong: {bug.name}: {bug.summary}")
         lines.append(f"  why it is wrong: {bug.explanation}")
         if len(d.matches) > 1:

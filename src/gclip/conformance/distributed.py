@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..clip import apply_scale, clip_simulated
-from ..strategies import TORCH_EPS
+from ..clip import apply_scale
+from ..gallery import TORCH_EPS, clip_simulated
 from . import layout_cases
 from .dverdict import DistCase, DistVerdict, Loose, expected_case, gallery_names, judge_runs
 from .job import JobSpec, run_cases

@@ -2,7 +2,7 @@
 
 The expected arrays come from ``gclip.clip_simulated`` on the very same
 per-rank inputs (the engine that runs on real ranks), and so do the gallery's:
-each bug of the engine (``mode=``) and, under ``--layout``, each layout bug.
+each bug of the engine (``gclip.gallery``'s ``mode=``) and, under ``--layout``, each layout bug.
 A case fails when a rank raised, returned something that is no clip, hung,
 died, or returned values off by more than its dtype's tolerance. A hang whose
 culprits are exactly the ranks that had nothing to clip is the fingerprint of
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import strategies
+from .. import gallery
 from . import implied
 from .hangs import rank_list
 from .outcome import CaseRun
@@ -294,7 +294,7 @@ def expected_case(label: str, ranks: list[list[np.ndarray]], max_norm: float, ou
 
 
 def gallery_names(layout: bool) -> list[str]:
-    names = [b.name for b in strategies.BUGS]
+    names = [b.name for b in gallery.BUGS]
     if layout:
-        names += [b.name for b in strategies.LAYOUT_BUGS if not b.skips_collective]
+        names += [b.name for b in gallery.LAYOUT_BUGS if not b.skips_collective]
     return names

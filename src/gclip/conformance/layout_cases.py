@@ -6,7 +6,7 @@ pipeline stages one case freezes the last stage (its ranks hold nothing to
 clip, as in a fine-tuning job: the case where a rank that skips the
 collective hangs the others). The ranks build their arrays and their
 ``replicated=`` declaration from the mesh; the judge builds the very same
-arrays on simulated ranks and runs gclip, each bug of the engine (``mode=``)
+arrays on simulated ranks and runs gclip, each bug of the engine (``gclip.gallery``'s ``mode=``)
 and each layout bug (a wrong declaration, a reduction over part of the mesh,
 tensors left out) on them.
 """
@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._lab import transformer
-from ..clip import apply_scale, clip_simulated
+from ..clip import apply_scale
+from ..gallery import GLOBAL, LAYOUT_BUG_NAMES, LayoutBug, clip_simulated
 from ..layout import Group, Mesh, Placement
-from ..strategies import GLOBAL, LAYOUT_BUG_NAMES, LayoutBug
 
 __all__ = [
     "LayoutCase",

@@ -6,7 +6,7 @@ from typing import Any
 
 from .._lab.cli import color
 from .._lab.jsonout import dumps
-from ..strategies import LAYOUT_BUG_NAMES, STRATEGIES
+from ..gallery import LAYOUT_BUG_NAMES, STRATEGIES
 from .verdict import Verdict
 
 __all__ = [

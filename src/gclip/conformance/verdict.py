@@ -8,10 +8,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import strategies
-from ..clip import clip_simulated
+from .. import gallery
 from ..contract import DIGITS, clip_shards, rounded
-from ..strategies import BUGS
+from ..gallery import BUGS, clip_simulated
 from . import implied
 from .cases import Case, make_cases
 from .target import Target
@@ -224,7 +223,7 @@ def _hints(case: Case, actual: list, limit: float) -> list[str]:
         return []
     sumsq = [math.fsum(float(v) ** 2 for v in s) for s in case.shards]
     norm = math.sqrt(math.fsum(sumsq))
-    expected = strategies.GLOBAL.scale(norm, limit)
+    expected = gallery.GLOBAL.scale(norm, limit)
     rtol = max(implied.SAME, 10 * ABS_TOL / min(tops))  # rounding to 12 decimals blurs small shards
     counts = [len(s) for s in case.shards]
     return implied.unit_lines("shard", units, sumsq, counts, limit, expected, norm, rtol)

@@ -9,8 +9,7 @@ from typing import Any
 from .._lab import plots
 from .._lab.cli import UsageError, check_writable
 from .._lab.vectors import vector_norm
-from ..clip import clip_simulated
-from ..strategies import GLOBAL
+from ..gallery import GLOBAL, clip_simulated
 from .options import Options
 from .ranks import grads_for, shard_for, whole
 from .text import num, pname

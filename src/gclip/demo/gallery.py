@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._lab.jsonout import dumps
-from ..strategies import BUGS, LAYOUT_BUGS, USAGE_BUGS, card
+from ..gallery import BUGS, LAYOUT_BUGS, USAGE_BUGS, card
 from .text import ansi_pad, bold, red
 
 __all__ = ["render_bugs"]

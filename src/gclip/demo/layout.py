@@ -20,9 +20,9 @@ from .._lab import layout_run, transformer
 from .._lab.jsonout import dumps
 from .._lab.vectors import cosine, vector_norm
 from ..errors import GclipError
+from ..gallery import GLOBAL, LAYOUT_BUG_NAMES, STRATEGIES
 from ..layout import Mesh, ranges
 from ..replicas import explain
-from ..strategies import GLOBAL, LAYOUT_BUG_NAMES, STRATEGIES
 from .options import Options
 from .text import bold, green, num, pname, red, wrap
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._lab.cli import ArgParser, UsageError, parse_max_norm
-from ..strategies import BUGS, GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, STRATEGIES
+from ..gallery import BUGS, GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, STRATEGIES
 
 __all__ = [
     "DEFAULT_LIMIT",

@@ -9,9 +9,8 @@ import numpy as np
 
 from .._lab.jsonout import dumps
 from .._lab.vectors import cosine, vector_norm
-from ..clip import clip_by_global_norm, clip_simulated
 from ..contract import rounded
-from ..strategies import GLOBAL, STRATEGIES
+from ..gallery import GLOBAL, STRATEGIES, clip_by_global_norm, clip_simulated
 from .options import Options
 
 __all__ = [

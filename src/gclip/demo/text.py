@@ -9,7 +9,7 @@ import numpy as np
 
 from .._lab.cli import color
 from .._lab.vectors import vector_norm
-from ..strategies import STRATEGIES
+from ..gallery import STRATEGIES
 from .options import Options
 from .ranks import shard_for
 

@@ -6,7 +6,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
-from .. import strategies
+from .. import gallery
 from .._lab import plots
 from .._lab.cli import (
     ArgParser,
@@ -36,8 +36,8 @@ MAX_SIMULATED = 64
 
 
 def _bug(text: str) -> str:
-    if text not in strategies.STRATEGIES or strategies.STRATEGIES[text].correct:
-        names = ", ".join(b.name for b in strategies.BUGS)
+    if text not in gallery.STRATEGIES or gallery.STRATEGIES[text].correct:
+        names = ", ".join(b.name for b in gallery.BUGS)
         raise argparse.ArgumentTypeError(f"unknown bug {text!r}; choose from {names}")
     return text
 
@@ -127,7 +127,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _config(args: argparse.Namespace, simulated: bool = False) -> Config:
-    strategy = strategies.get(args.buggy or "global")
+    strategy = gallery.get(args.buggy or "global")
     return Config(
         steps=args.steps,
         seed=args.seed,

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..clip import clip_by_global_norm
 from ..errors import GclipValueError
+from ..gallery import clip_by_global_norm
 from ..layout import Mesh, Placement
 from .loop import Config, Recorder, Run
 from .model import Model, init_params, loss_and_grad, make_data

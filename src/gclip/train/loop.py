@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._lab.vectors import cosine, vector_norm
-from ..clip import clip_by_global_norm, clip_simulated
+from ..gallery import clip_by_global_norm, clip_simulated
 from .model import Model, init_params, loss_and_grad, make_data, shard_bounds
 
 __all__ = ["Config", "Recorder", "Run", "departs_at", "digest", "train", "train_simulated"]

@@ -1,8 +1,9 @@
-"""One table of strategies: the correct global-norm clip and the gallery of bugs.
+"""The gallery of bugs: how a global-norm clip goes wrong, each with where it was seen.
 
-Each strategy is local -> combine -> finish. A bug departs from the correct
-one in the fields that make one idea (typed, so a typo is an error, not a new
-behaviour):
+Each bug is the correct clip (``gclip.engine.Steps``: local -> combine ->
+finish -> scale) with some steps replaced through the engine's hook. A bug
+departs from the correct one in the fields that make one idea (typed, so a
+typo is an error, not a new behaviour):
 
 ``scope``            whose sums combine: every rank's (``ALL``), this rank's only
                      (``SELF``: the seed's per-rank clip), or rank 0's (``ROOT``).
@@ -20,22 +21,26 @@ norm_op MAX), mean-of-norms adds a finish that divides by the ranks, and
 fp16-sumsq accumulates in float16 and, as frameworks do, wipes a gradient
 whose norm overflowed.
 
-The same table drives the library (``mode=``), the demo (``--buggy NAME``),
-the conformance judge (which names the bug an implementation has), the
-trainer and the bench.
+The same table drives the lab's entry (``gclip.gallery``'s ``mode=``), the
+demo (``--buggy NAME``), the conformance judge (which names the bug an
+implementation has), the trainer and the bench. The layout bugs (a correct
+clip told the wrong layout) and the usage bugs (a correct clip called at the
+wrong moment) are here too.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
-from .errors import GclipValueError
+import numpy as np
+
+from .. import engine, partials, policy
+from ..engine import NormOp
+from ..errors import GclipValueError
 
 __all__ = [
     "BUGS",
@@ -56,6 +61,7 @@ __all__ = [
     "card",
     "exact_norm",
     "get",
+    "steps_for",
 ]
 
 TORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ and Megatron-LM: max_norm / (norm + 1e-6)
@@ -72,11 +78,6 @@ class Share(enum.Enum):
     NORM = "norm"
 
 
-class NormOp(enum.Enum):
-    SUM = "sum"
-    MAX = "max"
-
-
 class Accumulate(enum.Enum):
     FLOAT64 = "float64"
     FLOAT16 = "float16"
@@ -87,8 +88,8 @@ def exact_norm(norm: float, **_: object) -> float:
     return norm
 
 
-@dataclass(frozen=True)
-class Strategy:
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap key for the clip's settings cache
+class Strategy(engine.Steps):
     name: str
     summary: str
     incident: str = ""
@@ -117,38 +118,74 @@ class Strategy:
     def correct(self) -> bool:
         return self.name == "global"
 
+    # -- the engine's steps, replaced where this bug departs from the correct clip
+
+    @property
+    def per_rank(self) -> bool:  # type: ignore[override]
+        return self.scope is Scope.SELF
+
+    def local(
+        self, arrays: Sequence[Any], spec: engine.Spec, owned: Sequence[bool] | None, backend: Any
+    ) -> engine.Local:
+        if self.count_replicated or self.scope is Scope.SELF:
+            owned = None  # every copy counted
+        if self.accumulate is Accumulate.FLOAT16 and not math.isinf(spec.norm_type):  # even when reproducible
+            counted, p = engine.counted(arrays, owned), spec.norm_type
+            power = backend.half_power_sum(counted, p)
+            return engine.Local(
+                counted, backend.count(counted), power, norm=partials.root(power, 0, p), backend=backend
+            )
+        return super().local(arrays, spec, owned, backend)
+
+    def _shares(self, rank: int) -> bool:
+        """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
+        return self.scope is Scope.ALL or (self.scope is Scope.ROOT and rank == 0)
+
+    def in_header(self, rank: int) -> bool:
+        return self.share is Share.POWER and self._shares(rank)
+
+    def header_suffices(self, local: engine.Local, spec: engine.Spec, total: list[float]) -> bool:
+        return (
+            self.scope is Scope.ALL
+            and self.share is Share.POWER
+            and super().header_suffices(local, spec, total)
+        )
+
+    def combine(self, local: engine.Local, spec: engine.Spec, rank: int, total: list[float]) -> Generator:
+        if self.scope is Scope.SELF:  # no other rank is asked
+            return _answered((local.norm, (local.power, 0)))
+        if self.share is Share.NORM:  # the norm-sharing bugs: local norms combined
+            return self._norms_combined(local, rank)
+        return super().combine(local, spec, rank, total)
+
+    def _norms_combined(self, local: engine.Local, rank: int) -> Generator:
+        nan = math.isnan(local.norm)  # as a flag: MPI's MAX may drop a NaN
+        mine = [0.0 if nan else local.norm, float(nan)] if self._shares(rank) else [0.0, 0.0]
+        got = yield engine.Reduce(np.array(mine, dtype=np.float64), self.norm_op)
+        return (math.nan if got[1] > 0 else float(got[0])), None
+
     def finish(
-        self, *, norm: float, p: float, count: int, ranks: int, power: tuple[float, int] | None = None
+        self, norm: float, *, p: float, count: int, ranks: int, power: tuple[float, int] | None = None
     ) -> float:
         if self.finish_norm is exact_norm:  # the common case, without the keyword call
             return norm
         return self.finish_norm(norm=norm, p=p, count=count, ranks=ranks, power=power)
 
     def scale(self, norm: float, max_norm: float) -> float:
-        """min(1, max_norm / norm); 1 for a zero norm; 1 (untouched) for inf/NaN."""
-        if not math.isfinite(norm) and self.untouched_if_nonfinite:
-            return 1.0
-        denom = norm + self.epsilon
-        if denom == 0.0:
-            return 1.0
-        scale = max_norm / denom
-        if 0.0 < scale < _SMALLEST_NORMAL:  # fewer bits: rounded to nearest, it may lift the norm
-            scale = _down_to_quotient(scale, max_norm, denom)
-        return min(1.0, scale)
+        """The scale rule (``gclip.policy``) on norm + epsilon; a framework's
+        max_norm / inf = 0 where it does not leave a non-finite gradient alone."""
+        if not math.isfinite(norm) and not self.untouched_if_nonfinite:
+            return min(1.0, max_norm / (norm + self.epsilon))
+        return policy.scale(norm + self.epsilon, max_norm)
 
     def as_dict(self) -> dict:
         return card(self, norm_type=self.norm_type)
 
 
-_SMALLEST_NORMAL = sys.float_info.min
-
-
-def _down_to_quotient(scale: float, num: float, den: float) -> float:
-    """A subnormal ``num / den`` rounded toward zero instead, so that scale * den <= num exactly
-    (a normal quotient is within 2**-53 of it; a subnormal one can be 1e-11 above)."""
-    while Fraction(scale) * Fraction(den) > Fraction(num):
-        scale = math.nextafter(scale, 0.0)
-    return scale
+def _answered(value: Any) -> Generator:
+    """A combine that asks no collective: its answer at once."""
+    return value
+    yield  # pragma: no cover - makes this a generator
 
 
 def card(bug: Any, **more: Any) -> dict:
@@ -414,7 +451,33 @@ def get(name: str) -> Strategy:
     try:
         return STRATEGIES[name]
     except (KeyError, TypeError):
-        raise GclipValueError(f"unknown mode {name!r}; choose from {', '.join(STRATEGIES)}") from None
+        raise GclipValueError(_unknown(name)) from None
+
+
+def _unknown(name: Any) -> str:
+    return f"unknown mode {name!r}; choose from {', '.join(STRATEGIES)}"
+
+
+def steps_for(name: Any) -> engine.Steps:
+    """The steps to run for ``name``: its strategy, or steps that refuse to run,
+    so that an unknown name is an error raised on every rank together."""
+    try:
+        return STRATEGIES[name]
+    except (KeyError, TypeError):
+        return _Unknown(name)
+
+
+class _Unknown(engine.Steps):
+    """No strategy has this name: the local step raises (before the header, so it is agreed)."""
+
+    def __init__(self, name: Any) -> None:
+        super().__init__("unknown")
+        self._message = _unknown(name)
+
+    def local(
+        self, arrays: Sequence[Any], spec: engine.Spec, owned: Sequence[bool] | None, backend: Any
+    ) -> engine.Local:
+        raise GclipValueError(self._message)
 
 
 # ---------------------------------------------------------------------------

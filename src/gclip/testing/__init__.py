@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .conformance.diagnosis import Diagnosis, diagnose
+from ..conformance.diagnosis import Diagnosis, diagnose
 
 __all__ = ["ONE_RANK", "Diagnosis", "assert_conforms", "diagnose"]
 
@@ -52,8 +52,8 @@ def assert_conforms(
     gallery bug ``fn`` reproduces when it is one. On one rank it warns
     (``UserWarning``): a per-rank clip cannot be told from the global one there.
     """
-    from ._validate import communicator
-    from .conformance.inprocess import conforms
+    from .._validate import communicator
+    from ..conformance.inprocess import conforms
 
     comm = communicator(comm)
     if comm.Get_size() == 1:

@@ -1,0 +1,46 @@
+"""The scale rule: the one factor every rank applies, min(1, max_norm / norm).
+
+A zero norm scales by 1 (nothing to clip), and so does an inf or NaN norm: the
+gradient is left untouched and the caller can skip the step. The factor is
+never above the exact quotient, so rounding cannot lift the clipped norm
+above the limit: a subnormal quotient (fewer bits) is rounded toward zero,
+and so is the float32 factor that float32 arrays are multiplied by.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from fractions import Fraction
+
+import numpy as np
+
+__all__ = ["float32_toward_zero", "scale"]
+
+_SMALLEST_NORMAL = sys.float_info.min
+
+
+def scale(norm: float, max_norm: float) -> float:
+    """min(1, max_norm / norm); 1 for a zero norm; 1 (untouched) for inf/NaN."""
+    if norm == 0.0 or not math.isfinite(norm):
+        return 1.0
+    factor = max_norm / norm
+    if 0.0 < factor < _SMALLEST_NORMAL:  # fewer bits: rounded to nearest, it may lift the norm
+        factor = _down_to_quotient(factor, max_norm, norm)
+    return min(1.0, factor)
+
+
+def _down_to_quotient(factor: float, num: float, den: float) -> float:
+    """A subnormal ``num / den`` rounded toward zero instead, so that factor * den <= num exactly
+    (a normal quotient is within 2**-53 of it; a subnormal one can be 1e-11 above)."""
+    while Fraction(factor) * Fraction(den) > Fraction(num):
+        factor = math.nextafter(factor, 0.0)
+    return factor
+
+
+def float32_toward_zero(factor: float) -> np.float32:
+    """The factor rounded to float32 toward zero (never up)."""
+    f32 = np.float32(factor)
+    if float(f32) > factor:
+        f32 = np.nextafter(f32, np.float32(0.0))
+    return f32
