@@ -42,8 +42,6 @@ __all__ = [
 
 CPU_CHUNK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float64, stays in L2
 DEVICE_CHUNK = 1 << 20  # on an accelerator: 8 MiB of float64, few enough kernel launches
-_SAFE_HI = 2.0**960  # as partials.power_sum: ranks may still add up without overflow
-_SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 _NUMPY_VIEWABLE = (torch.float16, torch.float32, torch.float64)  # t.numpy() is a view, no copy
 
 
@@ -167,13 +165,11 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
         total += _sum_on_devices(rest, lambda c: c.abs().sum())
     else:
         total += _sum_on_devices(rest, lambda c: c.abs().pow_(p).sum())
-    if _SAFE_LO <= total <= _SAFE_HI:
-        return total, False
-    if total == 0.0 and not _any(arrays, lambda c: c.any()):
-        return 0.0, False  # all zeros: exact
-    if not math.isfinite(total) and _any(arrays, lambda c: ~torch.isfinite(c).all()):
-        return total, False  # the data holds inf or NaN: the norm is inf or NaN
-    return total, True
+    return total, partials.needs_rescue(
+        total,
+        lambda: _any(arrays, lambda c: c.any()),
+        lambda: _any(arrays, lambda c: ~torch.isfinite(c).all()),
+    )
 
 
 def _any(arrays: Sequence[torch.Tensor], flag: Callable[[torch.Tensor], torch.Tensor]) -> bool:
@@ -276,7 +272,7 @@ def digits_with_torch_ops(binned: BinnedPowerSum, arrays: Sequence[torch.Tensor]
         row_counts, nan, inf = bins.result()
         counts = [a + b for a, b in zip(counts, row_counts)]
         special = math.nan if nan or math.isnan(special) else (math.inf if inf else special)
-    return _pack(binned, counts, count(arrays), special)
+    return binned.pack(enumerate(counts), count(arrays), special)
 
 
 _DIGIT_MASK = (1 << 24) - 1  # a row's digit sum (|s| < 2**53) is carried as hi * 2**24 + lo
@@ -339,18 +335,3 @@ class _Bins:
 def _pow2(e: torch.Tensor) -> torch.Tensor:
     """2.0**e, exactly, for integer e in [-1022, 1023], built from its bits."""
     return ((e + 1023) << 52).view(torch.float64)
-
-
-def _pack(binned: BinnedPowerSum, counts: list[int], total: int, special: float) -> np.ndarray:
-    """The digit counts in BinnedPowerSum.local's layout: [count, special, digits...],
-    each bin as base-2**24 float64 digits (so the SUM over ranks stays exact)."""
-    out = np.zeros(binned.size)
-    out[0] = total
-    out[1] = special
-    base = 1 << binned._DIGIT_BITS
-    for i, n in enumerate(counts):
-        for d in range(binned._DIGITS - 1):
-            out[2 + i * binned._DIGITS + d] = n % base
-            n //= base
-        out[2 + i * binned._DIGITS + binned._DIGITS - 1] = n
-    return out

@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -159,11 +159,13 @@ def _same_entry(a: Any, b: Any) -> bool:
 
 
 def grads(value: Any, inplace: bool) -> Grads:
-    """Views of what was given, never copies, checked; aliases found.
+    """What was given as numpy arrays, checked; aliases found.
 
     One array (numpy, or anything numpy can view: buffer protocol,
     ``__array__``), or a list, tuple or any other iterable of them (a
     generator is read once). float16, float32 and float64 in either byte order.
+    Arrays are views of what was given; only what is not an array already (a
+    list of floats, say) is copied into a new one, and ``inplace`` refuses it.
     """
     if type(value) is np.ndarray and value.dtype in _NATIVE and (value.flags.writeable or not inplace):
         return Grads([value], None, None, value)  # one plain array: checked in one line
@@ -273,23 +275,44 @@ def _unaliased(items: Sequence[Any], arrays: list[np.ndarray], container: type) 
 
 
 def _overlaps(arrays: Sequence[np.ndarray], members: Sequence[int]) -> dict[int, int]:
-    """Among arrays of one buffer: exact repeats -> their first; a partial overlap raises."""
-    spans = sorted((_span(arrays[i]), i) for i in members)
+    """Among numpy arrays of one buffer: exact repeats -> their first; a partial overlap raises."""
+    return same_memory(
+        members,
+        span=lambda i: _span(arrays[i]),
+        same_view=lambda i, j: _same_view(arrays[i], arrays[j]),
+        shares=lambda i, j: np.shares_memory(arrays[i], arrays[j], max_work=10**6),
+        overlap=lambda lo, hi: GclipValueError(
+            f"grads[{lo}] and grads[{hi}] overlap in memory without being the same array: "
+            "each value must be given once"
+        ),
+    )
+
+
+def same_memory(
+    members: Sequence[int],
+    *,
+    span: Callable[[int], tuple[int, int]],
+    same_view: Callable[[int, int], bool],
+    shares: Callable[[int, int], bool],
+    overlap: Callable[[int, int], Exception],
+) -> dict[int, int]:
+    """Among arrays of one memory (numpy arrays, torch tensors): exact repeats -> their first;
+    a partial overlap raises ``overlap(lo, hi)``.
+
+    ``span(i)`` is [first byte, past the last byte) of array i; arrays whose spans meet are
+    compared: the same view is a repeat, and one that ``shares`` an element otherwise is refused.
+    """
+    spans = sorted((span(i), i) for i in members)
     same: dict[int, int] = {}
     open_: list[tuple[tuple[int, int], int]] = []  # spans that may still overlap the next
-    for span, i in spans:
-        open_ = [(s, j) for s, j in open_ if s[1] > span[0]]
+    for here, i in spans:
+        open_ = [(s, j) for s, j in open_ if s[1] > here[0]]
         for s, j in open_:
-            a, b = arrays[j], arrays[i]
-            if _same_view(a, b):
+            if same_view(j, i):
                 same[max(i, j)] = min(i, j)
-            elif s[0] < s[1] and span[0] < span[1] and np.shares_memory(a, b, max_work=10**6):
-                lo, hi = sorted((i, j))
-                raise GclipValueError(
-                    f"grads[{lo}] and grads[{hi}] overlap in memory without being the same array: "
-                    "each value must be given once"
-                )
-        open_.append((span, i))
+            elif s[0] < s[1] and here[0] < here[1] and shares(j, i):
+                raise overlap(*sorted((i, j)))
+        open_.append((here, i))
     return same
 
 

@@ -13,15 +13,13 @@ bug gclip exists to prevent.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _kernels, _validate, engine, layout, partials, policy
-from .errors import GclipTypeError
+from . import _kernels, _validate, call, engine, partials, policy
 
 __all__ = [
     "ClipResult",
@@ -50,108 +48,31 @@ class ClipResult(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# one rank's checked call
-
-
-class _Call(NamedTuple):
-    """One rank's checked arguments (or the error to agree on)."""
-
-    grads: _validate.Grads
-    spec: engine.Spec
-    max_norm: float
-    error_if_nonfinite: bool
-    inplace: bool
-    counting: engine.Counting
-    error: BaseException | None
-
-
-_NO_LIMIT = object()  # global_norm: no max_norm to check
-_FALLBACK_SPEC = engine.Spec(engine.CORRECT, 2.0, False)  # what a refusing rank reports
-_NOTHING = _validate.Grads([], None, list)
+# one rank's call, through the call layer (``gclip.call``)
 
 
 def _prepare(
-    grads: Any,
-    max_norm: Any,
-    *,
-    rank: int,
-    size: int,
-    comm: Any = None,
-    norm_type: Any = 2.0,
-    steps: engine.Steps = engine.CORRECT,
-    inplace: bool = False,
-    reproducible: bool = False,
-    error_if_nonfinite: bool = False,
-    replicated: Sequence[Any] | None = None,
-) -> _Call:
-    """Check every argument; an error is kept, to be agreed on by all ranks.
+    grads: Any, max_norm: Any, *, replicated: Sequence[Any] | None = None, **settings: Any
+) -> call.Call:
+    inplace = settings.get("inplace", False)
 
-    The fingerprint that ranks compare holds the checked scalar values (1 and
-    1.0 are the same limit); what each group of ranks holds in common is
-    checked by the layout's ring sums (see ``layout``).
-    """
-    given, spec, limit = _NOTHING, _FALLBACK_SPEC, math.nan  # kept if an argument is refused
-    counting = engine.EVERY_ARRAY
-    error: BaseException | None = None
-    try:
-        spec, limit = _settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
+    def collect() -> call.Collected:
         given = _validate.grads(grads, inplace)
-        if replicated is not None:
-            if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
-                raise GclipTypeError(
-                    f"replicated must be a list with one entry per array, got {type(replicated).__name__}"
-                )
-            entries = given.per_array(replicated, "replicated")
-            counting = layout.counting(entries, given.arrays, rank=rank, size=size, comm=comm)
-    except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
-        error, given, counting = exc, _NOTHING, engine.EVERY_ARRAY
-    return _Call(given, spec, limit, bool(error_if_nonfinite), inplace, counting, error)
+        entries = (
+            None
+            if replicated is None
+            else given.per_array(call.entries_of(replicated, "array"), "replicated")
+        )
+        return given, given.arrays, entries
+
+    return call.prepare(collect, max_norm, **settings)
 
 
-def _settings(
-    steps: engine.Steps, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
-) -> tuple[engine.Spec, float]:
-    """The checked scalar arguments as (Spec, limit). A training loop passes the
-    same ones every step, so they are checked (and fingerprinted) once."""
-    key = (steps, norm_type, max_norm, reproducible, error_if_nonfinite)
-    if type(norm_type) in _PLAIN and (type(max_norm) in _PLAIN or max_norm is _NO_LIMIT):
-        return _cached_settings(*key)  # the two flags come as bools; steps hash by identity
-    return _check_settings(*key)  # e.g. a tensor as max_norm: it hashes by identity, not value
-
-
-def _check_settings(
-    steps: engine.Steps, norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
-) -> tuple[engine.Spec, float]:
-    p = _validate.norm_type(norm_type)
-    limit = _validate.max_norm(max_norm) if max_norm is not _NO_LIMIT else math.nan
-    if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
-        raise _validate.GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
-    extra = (("max_norm", limit), ("error_if_nonfinite", error_if_nonfinite))
-    return engine.Spec(steps, p, reproducible, extra), limit
-
-
-_PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe cache keys
-# typed: True, 1 and 1.0 are equal keys, but True is refused where 1 is not
-_cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
-
-
-def _program(call: _Call, rank: int, size: int) -> engine.Program:
-    return engine.norm_program(
-        call.grads.arrays,
-        call.spec,
-        rank=rank,
-        size=size,
-        counting=call.counting,
-        refused=call.error,
-        error_if_nonfinite=call.error_if_nonfinite,
-    )
-
-
-def _finish(call: _Call, info: engine.NormInfo) -> ClipResult:
+def _finish(checked: call.Call, info: engine.NormInfo) -> ClipResult:
     """The scale, applied. A non-finite norm was already raised on every rank if asked."""
     norm = info.norm
-    scale = call.spec.steps.scale(norm, call.max_norm)
-    out = _scaled(call.grads, scale, call.inplace)
+    scale = checked.spec.steps.scale(norm, checked.limit)
+    out = _scaled(checked.given, scale, checked.inplace)
     return ClipResult(out, norm, scale, math.isfinite(norm), info.local_norm, info.local_power)
 
 
@@ -194,32 +115,13 @@ def global_norm(
     )
 
 
-def norm_by(
-    steps: engine.Steps,
-    grads: Any,
-    *,
-    comm: Any = None,
-    norm_type: float | str = 2.0,
-    reproducible: bool = False,
-    replicated: Sequence[Any] | None = None,
-    error_if_nonfinite: bool = False,
-) -> float:
+def norm_by(steps: engine.Steps, grads: Any, *, comm: Any = None, **settings: Any) -> float:
     """:func:`global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    call = _prepare(
-        grads,
-        _NO_LIMIT,
-        rank=rank,
-        size=size,
-        comm=comm,
-        norm_type=norm_type,
-        steps=steps,
-        reproducible=reproducible,
-        replicated=replicated,
-        error_if_nonfinite=error_if_nonfinite,
-    )
-    return engine.run_mpi(_program(call, rank, size), comm).norm
+    checked = _prepare(grads, call.NO_LIMIT, rank=rank, size=size, comm=comm, steps=steps, **settings)
+    program = call.program(checked, rank, size)
+    return engine.run_mpi(program, comm).norm
 
 
 def clip_by_global_norm(
@@ -265,35 +167,14 @@ def clip_by_global_norm(
 
 
 def clip_by(
-    steps: engine.Steps,
-    grads: Any,
-    max_norm: float,
-    *,
-    comm: Any = None,
-    norm_type: float | str = 2.0,
-    error_if_nonfinite: bool = False,
-    inplace: bool = False,
-    reproducible: bool = False,
-    replicated: Sequence[Any] | None = None,
+    steps: engine.Steps, grads: Any, max_norm: float, *, comm: Any = None, **settings: Any
 ) -> ClipResult:
     """:func:`clip_by_global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    call = _prepare(
-        grads,
-        max_norm,
-        rank=rank,
-        size=size,
-        comm=comm,
-        norm_type=norm_type,
-        steps=steps,
-        inplace=inplace,
-        reproducible=reproducible,
-        error_if_nonfinite=error_if_nonfinite,
-        replicated=replicated,
-    )
-    info = engine.run_mpi(_program(call, rank, size), comm)
-    return _finish(call, info)
+    checked = _prepare(grads, max_norm, rank=rank, size=size, comm=comm, steps=steps, **settings)
+    info = engine.run_mpi(call.program(checked, rank, size), comm)
+    return _finish(checked, info)
 
 
 def clip_simulated(
@@ -326,15 +207,7 @@ def clip_simulated(
 
 
 def clip_simulated_by(
-    steps: engine.Steps,
-    ranks: Sequence[Any],
-    max_norm: float,
-    *,
-    norm_type: float | str = 2.0,
-    reproducible: bool = False,
-    replicated: Sequence[Any] | None = None,
-    error_if_nonfinite: bool = False,
-    inplace: bool = False,
+    steps: engine.Steps, ranks: Sequence[Any], max_norm: float, *, replicated: Any = None, **settings: Any
 ) -> list[ClipResult]:
     """:func:`clip_simulated` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     size = len(ranks)
@@ -343,25 +216,22 @@ def clip_simulated_by(
         and len(replicated) > 0
         and all(isinstance(r, (list, tuple)) for r in replicated)
     )
-    if per_rank and len(replicated) != size:  # type: ignore[arg-type]
-        raise _validate.GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")  # type: ignore[arg-type]
-    calls = [
+    if per_rank and len(replicated) != size:
+        raise _validate.GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
+    checked = [
         _prepare(
             g,
             max_norm,
             rank=r,
             size=size,
-            norm_type=norm_type,
             steps=steps,
-            inplace=inplace,
-            reproducible=reproducible,
-            error_if_nonfinite=error_if_nonfinite,
-            replicated=replicated[r] if per_rank else replicated,  # type: ignore[index]
+            replicated=replicated[r] if per_rank else replicated,
+            **settings,
         )
         for r, g in enumerate(ranks)
     ]
-    infos = engine.run_simulated([_program(c, r, size) for r, c in enumerate(calls)])
-    return [_finish(c, i) for c, i in zip(calls, infos)]
+    infos = engine.run_simulated([call.program(c, r, size) for r, c in enumerate(checked)])
+    return [_finish(c, i) for c, i in zip(checked, infos)]
 
 
 def clip_scale(total_norm: float, max_norm: float) -> float:

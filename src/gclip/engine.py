@@ -4,19 +4,24 @@ A norm computation is written once, as a generator that yields the collectives
 it needs (:class:`Reduce`, :class:`Gather`) and receives their results. Two
 drivers run it:
 
-- :func:`run_mpi` on real ranks, one buffer-based ``Allreduce`` per ``Reduce``;
+- :func:`drive` on one real rank, given its all-reduce and all-gather:
+  :func:`run_mpi` gives it mpi4py's (one buffer-based ``Allreduce`` per
+  ``Reduce``), ``gclip.torch`` gives it torch.distributed's;
 - :func:`run_simulated` for R simulated ranks in one process (the judge, the
   seed contract and the unit tests), combining the R yields in lockstep.
 
-So the correct strategy and every bug of the gallery run the very same code on
-both. Every program starts with the same fixed-size SUM all-reduce, the
+The steps of a program (local, combine, finish, scale) are those of a
+:class:`Steps`: the core runs :data:`CORRECT`, and the lab's gallery replaces
+steps through this hook to run its bugs, the very same code on both drivers.
+Every program starts with the same fixed-size SUM all-reduce, the
 *header*: it carries this rank's error flag, a fingerprint of its arguments,
 its element count and (for finite p) its whole sum of |x|**p. So in the default
 L2 path the header IS the one collective, and whatever goes wrong on one rank
 (bad input, different arguments) is known to every rank at the same moment:
 all raise the same error, none is left waiting. Only the inf-norm, the
 reproducible mode and the overflow rescue need a second, config-dependent
-collective, which comes after the header has agreed on the config.
+collective (and a replaced combine step: the gallery's norm-sharing bugs),
+which comes after the header has agreed on the config.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "Spec",
     "Steps",
     "counted",
+    "drive",
     "norm_program",
     "rescued",
     "run_mpi",
@@ -396,20 +402,34 @@ def _ldexp(mant: float, exp: int) -> float:
 # drivers
 
 
-def run_mpi(program: Program, comm) -> NormInfo:
-    """Run a program on this rank of ``comm`` (mpi4py)."""
-    MPI = _mpi()
+def drive(
+    program: Program,
+    all_reduce: Callable[[np.ndarray, NormOp], np.ndarray],
+    all_gather: Callable[[Any], list],
+) -> NormInfo:
+    """Run a program on one rank: each Reduce through ``all_reduce(data, op)``, each Gather
+    through ``all_gather(item)`` (a driver: MPI here, torch.distributed in ``gclip.torch``)."""
     try:
         request = next(program)
         while True:
             if type(request) is Reduce:
-                out = np.empty(request.data.size)
-                comm.Allreduce(request.data, out, op=MPI.MAX if request.op is NormOp.MAX else MPI.SUM)
-                request = program.send(out)
+                request = program.send(all_reduce(request.data, request.op))
             else:
-                request = program.send(comm.allgather(request.item))
+                request = program.send(all_gather(request.item))
     except StopIteration as done:
         return done.value
+
+
+def run_mpi(program: Program, comm: Any) -> NormInfo:
+    """Run a program on this rank of ``comm`` (mpi4py)."""
+    MPI = _mpi()
+
+    def all_reduce(data: np.ndarray, op: NormOp) -> np.ndarray:
+        out = np.empty(data.size)
+        comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
+        return out
+
+    return drive(program, all_reduce, comm.allgather)
 
 
 @functools.lru_cache(maxsize=1)

@@ -42,7 +42,9 @@ __all__ = [
     "Mesh",
     "Placement",
     "counting",
+    "is_flag",
     "is_group",
+    "is_shard",
     "ranges",
 ]
 
@@ -63,6 +65,16 @@ class Group:
 
     def Get_size(self) -> int:
         return len(self.members)
+
+
+def is_flag(entry: Any) -> bool:
+    """A flag (True, False; None), not a group."""
+    return entry is None or isinstance(entry, (bool, np.bool_))
+
+
+def is_shard(entry: Any) -> bool:
+    """False (or None): this rank's own shard, counted here."""
+    return entry is None or (isinstance(entry, (bool, np.bool_)) and not entry)
 
 
 def is_group(entry: Any) -> bool:
@@ -101,10 +113,10 @@ def counting(
     held: dict[tuple[int, ...], list[tuple[tuple[int, ...], str]]] = {}
     where: dict[tuple[int, ...], int] = {}
     for i, (entry, a) in enumerate(zip(entries, arrays)):
-        if entry is False or entry is None or (isinstance(entry, (bool, np.bool_)) and not entry):
+        if is_shard(entry):
             owned.append(True)
             continue
-        if isinstance(entry, (bool, np.bool_)):
+        if is_flag(entry):
             holding = _Holding(tuple(range(size)), rank)
         elif is_group(entry):
             holding = _holding(entry, comm, rank, size, i)

@@ -1,11 +1,15 @@
-"""Local reductions: what one rank computes from its own arrays, pure numpy.
+"""Local reductions of numpy arrays: what one rank computes from its own arrays.
 
-Nothing here talks to MPI, so the same code runs on real ranks and on the
-simulated ranks of the judge and the unit tests (see ``engine``).
+The engine's backend for numpy (``gclip._torch_partials`` is torch's, with the
+same functions): numpy, and the compiled kernels of ``_kernels`` (numba) where
+they are available and the arrays are many or large. Nothing here talks to
+MPI, so the same code runs on real ranks and on the simulated ranks of the
+judge and the unit tests (see ``engine``).
 
 - :func:`power_sum`: sum of |x|**p accumulated in float64 in one read (one BLAS
   dot for float64 and p=2). It says when it cannot be trusted (overflow, or
-  underflow of tiny values); then the engine takes the two-pass scaled route,
+  underflow of tiny values: :func:`needs_rescue`, for every backend); then the
+  engine takes the two-pass scaled route,
   :func:`max_abs` and :func:`scaled_power_sum`, as LAPACK's dnrm2 would.
 - :func:`max_abs`: the inf-norm's local part.
 - :class:`BinnedPowerSum`: the reproducible mode. Values are cut into digits on
@@ -16,7 +20,7 @@ simulated ranks of the judge and the unit tests (see ``engine``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -34,6 +38,7 @@ __all__ = [
     "iter_chunks",
     "left_to_numpy",
     "max_abs",
+    "needs_rescue",
     "power_sum",
     "root",
     "scaled_power_sum",
@@ -150,13 +155,27 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
             scratch = _Scratch(chunk)
             for a in left:
                 total += _chunked_sum(a, p, scratch, chunk)
+    return total, needs_rescue(
+        total,
+        lambda: any(np.any(c) for a in arrays for c in iter_chunks(a)),
+        lambda: not all(np.isfinite(c).all() for a in arrays for c in iter_chunks(a)),
+    )
+
+
+def needs_rescue(total: float, any_nonzero: Callable[[], bool], any_nonfinite: Callable[[], bool]) -> bool:
+    """Must the engine take the two-pass scaled route for this plain sum of |x|**p?
+
+    Yes where it over- or underflowed: outside the safe range, unless the data is
+    all zeros (the sum is exact) or holds inf or NaN (the norm IS inf or NaN).
+    The two questions about the data are asked only on those rare paths.
+    """
     if _SAFE_LO <= total <= _SAFE_HI:
-        return total, False
-    if total == 0.0 and not any(np.any(c) for a in arrays for c in iter_chunks(a)):
-        return 0.0, False  # all zeros: exact
-    if not math.isfinite(total) and not all(np.isfinite(c).all() for a in arrays for c in iter_chunks(a)):
-        return total, False  # the data holds inf or NaN
-    return total, True
+        return False
+    if total == 0.0 and not any_nonzero():
+        return False  # all zeros: exact
+    if not math.isfinite(total) and any_nonfinite():
+        return False  # the data holds inf or NaN
+    return True
 
 
 def _compiled_sumsq(arrays: Sequence[np.ndarray]) -> tuple[float, Sequence[np.ndarray]]:
@@ -343,12 +362,18 @@ class BinnedPowerSum:
         return self._pack(counts, size, special)
 
     def _pack(self, counts: np.ndarray, size: int, special: float) -> np.ndarray:
+        """:meth:`pack` of the counts as the compiled kernels keep them (low word, multiples of 2**32)."""
+        bins = np.flatnonzero(counts.any(axis=1)).tolist()
+        return self.pack(((i, int(counts[i, 0]) + (int(counts[i, 1]) << 32)) for i in bins), size, special)
+
+    def pack(self, bins: Iterable[tuple[int, int]], size: int, special: float) -> np.ndarray:
+        """The local part, [count, special, digits...], from (bin, digit count) pairs: each
+        count as base-2**24 float64 digits, so the SUM over ranks stays exact."""
         out = np.zeros(self.size)
         out[0] = size
         out[1] = special
         base = 1 << self._DIGIT_BITS
-        for i in np.flatnonzero(counts.any(axis=1)).tolist():
-            n = int(counts[i, 0]) + (int(counts[i, 1]) << 32)
+        for i, n in bins:
             for d in range(self._DIGITS - 1):
                 out[2 + i * self._DIGITS + d] = n % base
                 n //= base

@@ -28,7 +28,6 @@ See docs/torch.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _torch_partials, _validate, clip, engine, layout, policy
+from . import _torch_partials, _validate, call, clip, engine, layout, policy
 from .errors import GclipError, GclipTypeError, GclipValueError
 
 __all__ = ["FLOAT_DTYPES", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
@@ -79,20 +78,21 @@ class _TorchGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def run(self, program: engine.Program) -> engine.NormInfo:
-        try:
-            request = next(program)
-            while True:
-                if type(request) is engine.Reduce:
-                    buf = torch.tensor(request.data, dtype=torch.float64, device=self.device)
-                    op = dist.ReduceOp.MAX if request.op is engine.NormOp.MAX else dist.ReduceOp.SUM
-                    dist.all_reduce(buf, op=op, group=self.process_group)
-                    request = program.send(buf.cpu().numpy())
-                else:  # the error path: one small picklable item per rank
-                    items: list[Any] = [None] * self.size
-                    dist.all_gather_object(items, request.item, group=self.process_group)
-                    request = program.send(items)
-        except StopIteration as done:
-            return done.value
+        return engine.drive(program, self._all_reduce, self._all_gather)
+
+    def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
+        buf = torch.tensor(data, dtype=torch.float64, device=self.device)
+        dist.all_reduce(
+            buf,
+            op=dist.ReduceOp.MAX if op is engine.NormOp.MAX else dist.ReduceOp.SUM,
+            group=self.process_group,
+        )
+        return buf.cpu().numpy()
+
+    def _all_gather(self, item: Any) -> list[Any]:  # the error path: one small picklable item per rank
+        items: list[Any] = [None] * self.size
+        dist.all_gather_object(items, item, group=self.process_group)
+        return items
 
     def group(self, entry: Any, index: int) -> layout.Group:
         """A replicated= process group as the ranks of comm it holds (layout's rank translation)."""
@@ -190,9 +190,7 @@ def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradient
     name = "parameters" if of_parameters else "tensors"
     items = _as_list(items, name)
     if replicated is not None:
-        if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
-            raise GclipTypeError(f"replicated must be a list with one entry per {name[:-1]}")
-        if len(replicated) != len(items):
+        if len(call.entries_of(replicated, name[:-1])) != len(items):
             raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
     picked: list[tuple[str, torch.Tensor, Any]] = []
     for i, item in enumerate(items):
@@ -239,21 +237,27 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
 
 def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:
     """Among gradients of one storage: the same view -> its first; spans that overlap otherwise: an error."""
-    spans = sorted((_span(picked[i][1]), i) for i in members)
-    repeat: dict[int, int] = {}
-    for (span_a, a), (span_b, b) in zip(spans, spans[1:]):
-        if span_b[0] >= span_a[1]:
-            continue
-        ga, gb = picked[a][1], picked[b][1]
-        if span_a == span_b and ga.shape == gb.shape and ga.stride() == gb.stride() and ga.dtype == gb.dtype:
-            repeat[max(a, b)] = min(a, b)
-            continue
-        lo, hi = sorted((a, b))
-        raise GclipValueError(
+    tensors = [g for _, g, _ in picked]
+
+    def same_view(i: int, j: int) -> bool:
+        a, b = tensors[i], tensors[j]
+        return (
+            a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.dtype == b.dtype
+        )
+
+    return _validate.same_memory(
+        members,
+        span=lambda i: _span(tensors[i]),
+        same_view=same_view,
+        shares=lambda i, j: True,  # spans that meet: torch cannot tell an interleaving, so refused
+        overlap=lambda lo, hi: GclipValueError(
             f"{picked[lo][0]} and {picked[hi][0]} overlap in memory without being the same tensor: "
             "each value must be given once"
-        )
-    return repeat
+        ),
+    )
 
 
 def _span(g: torch.Tensor) -> tuple[int, int]:
@@ -269,55 +273,20 @@ def _span(g: torch.Tensor) -> tuple[int, int]:
 # one rank's checked call, the norm, the scale
 
 
-class _Call(NamedTuple):
-    grads: list[torch.Tensor]
-    spec: engine.Spec
-    limit: float
-    error_if_nonfinite: bool
-    counting: engine.Counting
-    error: BaseException | None
+def _norm(
+    comm: Any, gradients: Callable[[], _Gradients], max_norm: Any, steps: engine.Steps, **settings: Any
+) -> tuple[call.Call, float]:
+    """The checked call (through the call layer, ``gclip.call``) and the global norm of its gradients."""
+    world = _world(comm)
 
+    def collect() -> call.Collected:
+        grads, entries = gradients()
+        if entries is not None:  # process groups -> the ranks of comm they hold
+            entries = [e if layout.is_flag(e) else world.group(e, i) for i, e in enumerate(entries)]
+        return grads, grads, entries
 
-def _prepare(
-    world: _Mpi | _TorchGroup,
-    collect: Callable[[], _Gradients],
-    max_norm: Any,
-    *,
-    norm_type: Any,
-    steps: engine.Steps,
-    reproducible: bool,
-    error_if_nonfinite: bool,
-) -> _Call:
-    """Check every argument; an error is kept, to be raised on every rank together."""
-    grads: list[torch.Tensor] = []
-    spec, limit, counting, error = clip._FALLBACK_SPEC, math.nan, engine.EVERY_ARRAY, None
-    try:
-        spec, limit = clip._settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
-        grads, entries = collect()
-        if entries is not None:
-            groups = [e if _is_flag(e) else world.group(e, i) for i, e in enumerate(entries)]
-            counting = layout.counting(groups, grads, rank=world.rank, size=world.size)
-    except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
-        grads, counting, error = [], engine.EVERY_ARRAY, exc
-    return _Call(grads, spec, limit, bool(error_if_nonfinite), counting, error)
-
-
-def _is_flag(entry: Any) -> bool:
-    return entry is None or isinstance(entry, (bool, np.bool_))
-
-
-def _global_norm(world: _Mpi | _TorchGroup, call: _Call) -> float:
-    program = engine.norm_program(
-        call.grads,
-        call.spec,
-        rank=world.rank,
-        size=world.size,
-        counting=call.counting,
-        refused=call.error,
-        error_if_nonfinite=call.error_if_nonfinite,
-        backend=_torch_partials,
-    )
-    return world.run(program).norm
+    checked = call.prepare(collect, max_norm, rank=world.rank, size=world.size, steps=steps, **settings)
+    return checked, world.run(call.program(checked, world.rank, world.size, _torch_partials)).norm
 
 
 def _norm_tensor(norm: float, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -386,17 +355,16 @@ def get_total_norm(
             that hold identical copies (it counts once; see ``gclip.layout``).
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
     """
-    world = _world(comm)
-    call = _prepare(
-        world,
+    checked, norm = _norm(
+        comm,
         lambda: _gradients(tensors, replicated, of_parameters=False),
-        clip._NO_LIMIT,
+        call.NO_LIMIT,
+        engine.CORRECT,
         norm_type=norm_type,
-        steps=engine.CORRECT,
         reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
     )
-    return _norm_tensor(_global_norm(world, call), call.grads)
+    return _norm_tensor(norm, checked.arrays)
 
 
 @torch.no_grad()
@@ -454,9 +422,9 @@ def clip_grad_norm_(
         engine.CORRECT,
         parameters,
         max_norm,
-        norm_type,
-        error_if_nonfinite,
-        foreach,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
         comm=comm,
         replicated=replicated,
         reproducible=reproducible,
@@ -468,25 +436,14 @@ def clip_grad_norm_by(
     steps: engine.Steps,
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
-    norm_type: float | str = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
     *,
-    comm: Any = None,
+    foreach: bool | None = None,
     replicated: Sequence[Any] | None = None,
-    reproducible: bool = False,
+    comm: Any = None,
+    **settings: Any,
 ) -> torch.Tensor:
     """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    world = _world(comm)
-    call = _prepare(
-        world,
-        lambda: _gradients(parameters, replicated, of_parameters=True),
-        max_norm,
-        norm_type=norm_type,
-        steps=steps,
-        reproducible=reproducible,
-        error_if_nonfinite=error_if_nonfinite,
-    )
-    norm = _global_norm(world, call)
-    _scale_(call.grads, call.spec.steps.scale(norm, call.limit), foreach)
-    return _norm_tensor(norm, call.grads)
+    gradients = lambda: _gradients(parameters, replicated, of_parameters=True)  # noqa: E731
+    checked, norm = _norm(comm, gradients, max_norm, steps, **settings)
+    _scale_(checked.arrays, checked.spec.steps.scale(norm, checked.limit), foreach)
+    return _norm_tensor(norm, checked.arrays)

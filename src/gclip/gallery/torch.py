@@ -10,6 +10,23 @@ from .bugs import steps_for
 __all__ = ["clip_grad_norm_"]
 
 
-def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, mode: str = "global", **kwargs: Any) -> Any:
+def clip_grad_norm_(
+    parameters: Any,
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    mode: str = "global",
+    **kwargs: Any,
+) -> Any:
     """:func:`gclip.torch.clip_grad_norm_` as bug ``mode`` clips (``"global"``: the correct one)."""
-    return gclip_torch.clip_grad_norm_by(steps_for(mode), parameters, max_norm, *args, **kwargs)
+    return gclip_torch.clip_grad_norm_by(
+        steps_for(mode),
+        parameters,
+        max_norm,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        foreach=foreach,
+        **kwargs,
+    )
