@@ -173,7 +173,8 @@ def clip_by(
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     checked = _prepare(grads, max_norm, rank=rank, size=size, comm=comm, steps=steps, **settings)
-    info = engine.run_mpi(call.program(checked, rank, size), comm)
+    program = call.program(checked, rank, size)
+    info = engine.run_mpi(program, comm)
     return _finish(checked, info)
 
 

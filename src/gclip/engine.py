@@ -331,8 +331,8 @@ def counted(arrays: Sequence[Any], owned: Sequence[bool] | None) -> Sequence[Any
 
 def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Generator:
     """Some rank failed or disagreed: every rank raises the same error."""
-    mine = (type(error).__name__, str(error)) if error is not None else None
-    reports = yield Gather((mine, spec.describe(), counting.summary))  # the error path's own round trip
+    own_error = (type(error).__name__, str(error)) if error is not None else None
+    reports = yield Gather((own_error, spec.describe(), counting.summary))  # the error path's own round trip
     if any(err is not None for err, _, _ in reports) or mismatch:
         raise AgreedError.from_reports([(err, args) for err, args, _ in reports], mismatch=mismatch)
     explain = counting.explain or (lambda _: "ranks disagree on which arrays they hold")

@@ -99,7 +99,7 @@ def counting(
     size: int,
     comm: Any = None,
 ) -> Counting:
-    """The engine's Counting for this rank: what it counts and its share of the check.
+    """The engine's Counting for this rank: what it counts and its share of the ring sums.
 
     ``entries`` has one entry per array (see the module docstring); ``comm``
     is the clip's communicator (None on simulated ranks, where groups are
@@ -127,14 +127,14 @@ def counting(
         owned.append(holding.position == 0)
         held.setdefault(holding.members, []).append((tuple(a.shape), _dtype_code(a.dtype)))
         where[holding.members] = holding.position
-    check = [0.0, 0.0]
+    ring = [0.0, 0.0]
     for members, items in held.items():
         k, i = len(members), where[members]
         what = repr(items)
         for slot, salt in enumerate((b"gclip-a", b"gclip-b")):
-            check[slot] += _ring(salt, members, i, what) - _ring(salt, members, (i + 1) % k, what)
+            ring[slot] += _ring(salt, members, i, what) - _ring(salt, members, (i + 1) % k, what)
     summary = {members: items for members, items in held.items()}
-    return Counting(owned, (check[0], check[1]), summary, _explain)
+    return Counting(owned, (ring[0], ring[1]), summary, _explain)
 
 
 def _dtype_code(dtype: Any) -> str:

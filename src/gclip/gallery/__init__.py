@@ -17,42 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import clip
-from .bugs import (
-    BUGS,
-    GLOBAL,
-    LAYOUT_BUG_NAMES,
-    LAYOUT_BUGS,
-    STRATEGIES,
-    TORCH_EPS,
-    USAGE_BUG_NAMES,
-    USAGE_BUGS,
-    LayoutBug,
-    Strategy,
-    UsageBug,
-    card,
-    get,
-    steps_for,
-)
+from . import bugs
+from .bugs import *  # noqa: F403 - the gallery's names, as bugs.__all__ lists them
+from .bugs import steps_for
 
-__all__ = [
-    "BUGS",
-    "GLOBAL",
-    "LAYOUT_BUGS",
-    "LAYOUT_BUG_NAMES",
-    "STRATEGIES",
-    "TORCH_EPS",
-    "USAGE_BUGS",
-    "USAGE_BUG_NAMES",
-    "LayoutBug",
-    "Strategy",
-    "UsageBug",
-    "card",
-    "clip_by_global_norm",
-    "clip_simulated",
-    "get",
-    "global_norm",
-    "steps_for",
-]
+__all__ = [*bugs.__all__, "clip_by_global_norm", "clip_simulated", "global_norm"]
 
 
 def global_norm(grads: Any, *, mode: str = "global", **kwargs: Any) -> float:
