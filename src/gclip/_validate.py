@@ -350,7 +350,7 @@ def communicator(comm: Any) -> Any:
 
         comm = MPI.COMM_WORLD
         if comm.Get_size() == 1:
-            _refuse_lone_rank("comm=None")
+            refuse_lone_rank("comm=None:")
         return comm
     if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
         hint = ""
@@ -358,7 +358,7 @@ def communicator(comm: Any) -> Any:
             hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
         raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
     if comm.Get_size() == 1 and _is_comm_world(comm):  # COMM_WORLD spelled out: the same trap
-        _refuse_lone_rank("comm=MPI.COMM_WORLD")
+        refuse_lone_rank("comm=MPI.COMM_WORLD:")
     return comm
 
 
@@ -386,13 +386,20 @@ def launched_size() -> tuple[int, str] | None:
     return None
 
 
-def _refuse_lone_rank(given: str) -> None:
+def refuse_lone_rank(given: str, fix: str = "") -> None:
+    """Raise where MPI sees one rank but the process was started as one of several:
+    clipping alone there is the very bug gclip prevents. ``given`` says what led here."""
     launched = launched_size()
     if launched is not None:
         n, why = launched
         raise GclipError(
-            f"{given}: MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
-            "would use this process's own norm. Start the job with mpirun, pass the communicator "
-            "of the ranks that share the gradient (MPI.COMM_SELF if each process really clips "
-            "alone), or use gclip.torch.clip_grad_norm_ (it takes the torch.distributed group)"
+            f"{given} MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
+            f"would use this process's own norm. {fix or _LONE_RANK_FIX}"
         )
+
+
+_LONE_RANK_FIX = (
+    "Start the job with mpirun, pass the communicator of the ranks that share the gradient "
+    "(MPI.COMM_SELF if each process really clips alone), or use gclip.torch.clip_grad_norm_ "
+    "(it takes the torch.distributed group)"
+)

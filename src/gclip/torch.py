@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
 from . import _torch_partials, _validate, call, clip, engine, layout, policy
-from .errors import GclipError, GclipTypeError, GclipValueError
+from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["FLOAT_DTYPES", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
@@ -137,13 +137,10 @@ def _mpi_world() -> Any:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    launched = _validate.launched_size() if world.Get_size() == 1 else None
-    if launched is not None:
-        n, why = launched
-        raise GclipError(
-            f"comm=None: torch.distributed is not initialised and MPI sees 1 rank, but this process "
-            f"is one of {n} ({why}); clipping here would use this process's own norm. Call "
-            "torch.distributed.init_process_group() first, or pass comm="
+    if world.Get_size() == 1:
+        _validate.refuse_lone_rank(
+            "comm=None: torch.distributed is not initialised and",
+            "Call torch.distributed.init_process_group() first, or pass comm=",
         )
     return world
 
