@@ -162,6 +162,13 @@ FAULTS: dict[str, Fault] = {
         "replicated",
         common=lambda: {"replicated": [False]},
     ),
+    # None means "no copy here" (Mesh.tied): refused, not counted as a shard
+    "replicated-none": Fault(
+        lambda: {"replicated": [None]},
+        GclipTypeError,
+        "replicated[0] is None",
+        common=lambda: {"replicated": [False]},
+    ),
     "reproducible-p3": Fault(
         lambda: {"norm_type": 3.0}, GclipValueError, "reproducible", common=lambda: {"reproducible": True}
     ),

@@ -101,7 +101,9 @@ def counting(
     held: dict[tuple[int, ...], list[tuple[tuple[int, ...], str]]] = {}
     where: dict[tuple[int, ...], int] = {}
     for i, (entry, a) in enumerate(zip(entries, arrays)):
-        if entry is False or entry is None or (isinstance(entry, (bool, np.bool_)) and not entry):
+        if entry is None:
+            raise no_copy_here(i)
+        if entry is False or (isinstance(entry, (bool, np.bool_)) and not entry):
             owned.append(True)
             continue
         if isinstance(entry, (bool, np.bool_)):
@@ -123,6 +125,16 @@ def counting(
             check[slot] += _ring(salt, members, i, what) - _ring(salt, members, (i + 1) % k, what)
     summary = {members: items for members, items in held.items()}
     return Counting(owned, (check[0], check[1]), summary, _explain)
+
+
+def no_copy_here(index: int) -> GclipTypeError:
+    """The error for a None entry: None means "this rank holds no copy" (Mesh.tied,
+    Mesh.entry), so an array declared so is not this rank's to count; it is refused
+    rather than counted as a shard."""
+    return GclipTypeError(
+        f"replicated[{index}] is None (no copy on this rank): leave that array out of grads, "
+        "or pass False for a shard, True or a group for a copy"
+    )
 
 
 def _dtype_code(dtype: Any) -> str:
@@ -378,7 +390,8 @@ class Mesh:
     def tied(self, axis: str, stages: Sequence[int] = (0, -1), replicated: Sequence[str] = ()) -> Any:
         """The group holding a tensor tied across ``stages`` of ``axis`` (e.g. the
         embedding of the first and the last pipeline stage), also replicated
-        over ``replicated``. On a rank not on those stages: None (it holds no copy)."""
+        over ``replicated``. On a rank not on those stages: None (it holds no copy, so
+        it leaves the tensor out of grads; a None entry in ``replicated=`` is refused)."""
         (axis,) = self._check_axes((axis,))
         reps = self._check_axes(replicated)
         if axis in reps:

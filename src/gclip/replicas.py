@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _validate, partials
 from .errors import GclipValueError
-from .layout import _holding, ranges
+from .layout import _holding, no_copy_here, ranges
 
 __all__ = ["Row", "check_replicas", "diverged", "explain", "explain_simulated"]
 
@@ -68,7 +68,9 @@ def _records(
     out = []
     places: dict[tuple[int, ...], int] = {}
     for i, (a, entry, label) in enumerate(zip(given.arrays, entries, labels)):
-        if entry is False or entry is None or (isinstance(entry, (bool, np.bool_)) and not entry):
+        if entry is None:
+            raise no_copy_here(i)
+        if entry is False or (isinstance(entry, (bool, np.bool_)) and not entry):
             members = (rank,)
         elif isinstance(entry, (bool, np.bool_)):
             members = tuple(range(size))
