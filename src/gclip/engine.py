@@ -45,6 +45,7 @@ __all__ = [
     "Program",
     "Reduce",
     "Spec",
+    "local_norm",
     "norm_program",
     "run_mpi",
     "run_simulated",
@@ -269,9 +270,16 @@ def _local(arrays: Sequence[Any], spec: Spec, owned: Sequence[bool] | None, back
         part = backend.binned_digits(binned, counted)
         norm, (mant, exp) = binned.summary(part)
         return _Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
-    power, rescue = backend.power_sum(counted, p)
-    norm = _run_local(_rescued(counted, p, None, backend)) if rescue else partials.root(power, 0, p)
+    power, rescue, norm = local_norm(counted, p, backend)
     return _Local(counted, count, power, rescue, False, None, norm, backend)
+
+
+def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tuple[float, bool, float]:
+    """(sum |x|**p, rescue, norm) of one rank's arrays for a finite p, the norm right even
+    where the plain sum over- or underflows (the two-pass rescue, on this rank alone)."""
+    power, rescue = backend.power_sum(arrays, p)
+    norm = _run_local(_rescued(arrays, p, None, backend)) if rescue else partials.root(power, 0, p)
+    return power, rescue, norm
 
 
 def _shares(strategy: Strategy, rank: int) -> bool:

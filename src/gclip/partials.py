@@ -1,4 +1,5 @@
-"""Local reductions: what one rank computes from its own arrays, pure numpy.
+"""Local reductions: what one rank computes from its own arrays, in numpy and, where
+numba is installed, the compiled kernels of ``_kernels`` (the same results either way).
 
 Nothing here talks to MPI, so the same code runs on real ranks and on the
 simulated ranks of the judge and the unit tests (see ``engine``).

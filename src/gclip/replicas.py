@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _validate, partials
+from . import _validate, engine, partials
 from .errors import GclipValueError
 from .layout import _holding, no_copy_here, ranges
 
@@ -46,6 +46,7 @@ class _Record(NamedTuple):
     members: tuple[int, ...]
     slot: int  # its place among this rank's arrays of the same group: the k-th of each member match
     power: float
+    norm: float  # its own p-norm, right where power over- or underflows
     crc: int
 
     @property
@@ -77,9 +78,12 @@ def _records(
         else:
             holding = _holding(entry, comm, rank, size, i)
             members = holding.members
-        power = partials.max_abs([a])[0] if math.isinf(p) else partials.power_sum([a], p)[0]
+        if math.isinf(p):
+            power = norm = partials.max_abs([a])[0]
+        else:  # the engine's own local step, with its overflow/underflow rescue
+            power, _, norm = engine.local_norm([a], p)
         slot = places[members] = places.get(members, -1) + 1
-        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, slot, power, _crc(a)))
+        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, slot, power, norm, _crc(a)))
     return out
 
 
@@ -121,12 +125,24 @@ def _rows(per_rank: Sequence[Sequence[_Record]], p: float) -> list[Row]:
         top = max((r.power for r in counted), default=0.0)
         shares = [1.0 if r.power == top and top > 0 else 0.0 for r in counted]
     else:
-        total = math.fsum(r.power for r in counted)
-        shares = [r.power / total if total > 0 else 0.0 for r in counted]
+        shares = _shares([r.norm for r in counted], p)
     return [
         Row(r.name, r.shape, r.dtype, r.members, r.members[0], r.power, share)
         for r, share in zip(counted, shares)
     ]
+
+
+def _shares(norms: Sequence[float], p: float) -> list[float]:
+    """Each norm**p over the sum of all, computed as (norm / top)**p so that neither
+    1e200 (whose power overflows) nor 1e-200 (whose power underflows) loses its share."""
+    if any(math.isnan(n) for n in norms):
+        return [math.nan] * len(norms)
+    top = max(norms, default=0.0)
+    if top == 0.0 or math.isinf(top):  # nothing to share, or an infinite value: undefined there
+        return [math.nan if math.isinf(n) else 0.0 for n in norms]
+    powers = [(n / top) ** p for n in norms]
+    total = math.fsum(powers)
+    return [w / total for w in powers]
 
 
 def explain(
