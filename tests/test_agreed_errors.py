@@ -395,3 +395,13 @@ def test_equal_limits_of_different_types_are_not_a_disagreement(comm, other):
     max_norm = other if comm.Get_rank() == comm.Get_size() - 1 else 1.0
     reports = everyone(comm, attempt(lambda: gclip.clip_by_global_norm(fresh(comm), max_norm, comm=comm)))
     assert all(r.kind is None for r in reports), reports[0].message
+
+
+def test_a_limit_of_minus_zero_is_zero_on_every_rank(comm):
+    """-0.0 == 0.0: ranks passing either agree, and every value is clipped to +0.0."""
+    max_norm = -0.0 if comm.Get_rank() == comm.Get_size() - 1 else 0.0
+    reports = everyone(comm, attempt(lambda: gclip.clip_by_global_norm(fresh(comm), max_norm, comm=comm)))
+    assert all(r.kind is None for r in reports), reports[0].message
+    result = gclip.clip_by_global_norm(fresh(comm), max_norm, comm=comm)
+    signs = everyone(comm, (math.copysign(1.0, result.scale), bool(np.signbit(result.grads).any())))
+    assert signs == [(1.0, False)] * comm.Get_size(), signs

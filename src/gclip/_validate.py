@@ -59,7 +59,7 @@ def max_norm(value: Any, name: str = "max_norm") -> float:
     limit = _scalar(value, name)
     if not math.isfinite(limit) or limit < 0:
         raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
-    return limit
+    return limit + 0.0  # -0.0 becomes 0.0: else the scale is -0.0 and flips the sign of every value
 
 
 def scale(value: Any) -> float:
