@@ -15,8 +15,9 @@ its element count and (for finite p) its whole sum of |x|**p. So in the default
 L2 path the header IS the one collective, and whatever goes wrong on one rank
 (bad input, different arguments) is known to every rank at the same moment:
 all raise the same error, none is left waiting. Only the inf-norm, the
-reproducible mode and the overflow rescue need a second, config-dependent
-collective, which comes after the header has agreed on the config.
+reproducible mode, the overflow rescue and the gallery's norm-sharing bugs (which
+combine local norms, not powers) need a second, config-dependent collective,
+which comes after the header has agreed on the config.
 """
 
 from __future__ import annotations
@@ -161,7 +162,9 @@ def norm_program(
 
     All local work happens before the header, so whatever ``check`` or the
     local reduction raises becomes this rank's error flag, and every rank
-    raises it together. After the header nothing rank-specific can fail.
+    raises it together. After the header only the overflow rescue reads the
+    arrays again; a failure there is flagged in the rescue's own collectives
+    and raised on every rank together too.
 
     ``backend`` computes the local partials where the arrays live: the
     ``partials`` module for numpy arrays (the default), or a module with the
@@ -340,20 +343,48 @@ def _rescued(counted, p: float, mine, backend: Any) -> Generator:
     """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
 
     ``mine`` builds this rank's contribution to a collective; None: this rank alone.
+    Across ranks this runs after the header and reads the arrays again, so a failure
+    here (out of memory, a device error) rides as a flag in the pass's own collective
+    and every rank raises it together.
     """
-    top, nan = backend.max_abs(counted)
+    error: BaseException | None = None
+    top, nan = 0.0, False
+    try:
+        top, nan = backend.max_abs(counted)
+    except Exception as exc:  # agreed in the MAX below (the raise above: alone)
+        if mine is None:
+            raise
+        error = exc
     if mine is not None:
-        got = yield Reduce(mine([top, float(nan)], -1.0), NormOp.MAX)
+        got = yield Reduce(np.append(mine([top, float(nan)], -1.0), 1.0 if error else 0.0), NormOp.MAX)
+        if got[2] > 0:
+            yield from _agree_late(error)
         top, nan = float(got[0]), bool(got[1] > 0)
     if nan:
         return math.nan
     if top == 0.0 or math.isinf(top):
         return top
-    s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
+    s = 0.0
+    try:
+        s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
+    except Exception as exc:  # agreed in the SUM below
+        if mine is None:
+            raise
+        error = exc
     if mine is not None:
-        got = yield Reduce(mine([s]))
+        got = yield Reduce(np.append(mine([s]), 1.0 if error else 0.0))
+        if got[1] > 0:
+            yield from _agree_late(error)
         s = float(got[0])
     return top * partials.root(s, 0, p)
+
+
+def _agree_late(error: BaseException | None) -> Generator:
+    """A rank failed after the header (its flag came in a later collective): every rank
+    raises the same error, naming it."""
+    mine = (type(error).__name__, str(error)) if error is not None else None
+    reports = yield Gather(mine)
+    raise AgreedError.from_reports([(err, None) for err in reports], mismatch=False)
 
 
 def _run_local(program: Generator) -> Any:

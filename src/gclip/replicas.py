@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _validate, engine, partials
-from .errors import GclipValueError
+from .errors import AgreedError, GclipValueError
 from .layout import _holding, no_copy_here, ranges
 
 __all__ = ["Row", "check_replicas", "diverged", "explain", "explain_simulated"]
@@ -160,15 +160,15 @@ def explain(
     diagnostic (it gathers every rank's list: not for the training loop).
     """
     comm = _validate.communicator(comm)
-    p = _validate.norm_type(norm_type)
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine, error = [], None
+    mine, error, p = [], None, 2.0
     try:
+        p = _validate.norm_type(norm_type)
         mine = _records(grads, replicated, names, rank, size, comm, p)
     except Exception as exc:  # noqa: BLE001 - agreed below, so no rank waits
         error = exc
-    gathered = comm.allgather((None if error is None else str(error), mine))
-    _raise_agreed(gathered, error)
+    gathered = comm.allgather((_report(error), mine))
+    _raise_agreed(gathered)
     return _rows([recs for _, recs in gathered], p)
 
 
@@ -198,11 +198,14 @@ def explain_simulated(
     return _rows(per_rank, p)
 
 
-def _raise_agreed(gathered: Sequence[tuple[str | None, Any]], error: BaseException | None) -> None:
-    bad = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
-    if bad:
-        r, msg = bad[0]
-        raise GclipValueError(f"rank {r} of {len(gathered)}: {msg}")
+def _report(error: BaseException | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> None:
+    """Every rank raises the same error, of the class the failing rank met (see AgreedError)."""
+    if any(report is not None for report, _ in gathered):
+        raise AgreedError.from_reports([(report, None) for report, _ in gathered], mismatch=False)
 
 
 def check_replicas(
@@ -225,10 +228,8 @@ def check_replicas(
         mine = _records(grads, replicated, names, rank, size, comm, 2.0)
     except Exception as exc:  # noqa: BLE001 - agreed below
         error = exc
-    gathered = comm.allgather(
-        (None if error is None else str(error), [(r.name, r.members, r.slot, r.crc) for r in mine])
-    )
-    _raise_agreed(gathered, error)
+    gathered = comm.allgather((_report(error), [(r.name, r.members, r.slot, r.crc) for r in mine]))
+    _raise_agreed(gathered)
     problem = diverged([recs for _, recs in gathered])
     if problem:
         raise GclipValueError(problem)
