@@ -159,11 +159,15 @@ def _same_entry(a: Any, b: Any) -> bool:
 
 
 def grads(value: Any, inplace: bool) -> Grads:
-    """Views of what was given, never copies, checked; aliases found.
+    """What was given as numpy arrays, checked; aliases found.
 
-    One array (numpy, or anything numpy can view: buffer protocol,
-    ``__array__``), or a list, tuple or any other iterable of them (a
-    generator is read once). float16, float32 and float64 in either byte order.
+    An array, or anything numpy can view (buffer protocol, ``__array_interface__``),
+    is viewed, not copied. What numpy cannot view is read into a new array (a list
+    of floats, say): a clip returns new values for it (``inplace=True`` refuses a list
+    or tuple of numbers).
+
+    One array, or a list, tuple or any other iterable of them (a generator is
+    read once). float16, float32 and float64 in either byte order.
     """
     if type(value) is np.ndarray and value.dtype in _NATIVE and (value.flags.writeable or not inplace):
         return Grads([value], None, None, value)  # one plain array: checked in one line
