@@ -49,7 +49,7 @@ def _scalar(value: Any, name: str) -> float:
     if not _real(value):
         raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
     try:
-        return float(value)  # type: ignore[arg-type]
+        return float(value)
     except OverflowError:
         raise GclipValueError(f"{name} must be finite, got an integer beyond float") from None
 
@@ -287,7 +287,7 @@ def _overlaps(arrays: Sequence[np.ndarray], members: Sequence[int]) -> dict[int,
             a, b = arrays[j], arrays[i]
             if _same_view(a, b):
                 same[max(i, j)] = min(i, j)
-            elif s[0] < s[1] and span[0] < span[1] and np.shares_memory(a, b, max_work=10**6):
+            elif s[0] < s[1] and span[0] < span[1] and np.shares_memory(a, b, max_work=10**6):  # type: ignore[arg-type]
                 lo, hi = sorted((i, j))
                 raise GclipValueError(
                     f"grads[{lo}] and grads[{hi}] overlap in memory without being the same array: "

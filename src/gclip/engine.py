@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import partials
+from .comm import Comm
 from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
 from .strategies import Accumulate, NormOp, Scope, Share, Strategy
 from .strategies import exact_norm as _exact_norm
@@ -67,6 +68,8 @@ class Gather(NamedTuple):
 
 
 Program = Generator["Reduce | Gather", Any, "NormInfo"]
+# a step of a program: it yields collectives, is sent their results, returns a T
+Step = Generator["Reduce | Gather", Any, Any]
 
 
 class NormInfo(NamedTuple):
@@ -234,7 +237,7 @@ class _Local(NamedTuple):
     """What a rank knows of its own arrays before any collective."""
 
     counted: Sequence[np.ndarray] = ()
-    count: int = 0
+    count: int = 0  # type: ignore[assignment]  # (a field named as tuple.count)
     power: float = 0.0  # sum |x|**p (finite p), max |x| (inf)
     rescue: bool = False  # the plain sum overflowed or underflowed
     nan: bool = False  # inf-norm: a NaN was seen
@@ -302,7 +305,7 @@ def _counted(
     return [a for a, mine in zip(arrays, owned) if mine]
 
 
-def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Generator:
+def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Step:
     """Some rank failed or disagreed: every rank raises the same error."""
     mine = (type(error).__name__, str(error)) if error is not None else None
     reports = yield Gather((mine, spec.describe(), counting.summary))  # the error path's own round trip
@@ -312,7 +315,7 @@ def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch
     raise GclipValueError(explain([summary for _, _, summary in reports]))
 
 
-def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Generator:
+def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Step:
     """The strategy's combine: (the norm it clips by, the power sum as (mant, exp) if known)."""
     strategy, p = spec.strategy, spec.norm_type
     if strategy.scope is Scope.SELF:  # no other rank is asked
@@ -339,7 +342,7 @@ def _combine(local: _Local, spec: Spec, rank: int, total: list[float]) -> Genera
     return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # rank 0's sum (scope root)
 
 
-def _rescued(counted, p: float, mine, backend: Any) -> Generator:
+def _rescued(counted: Sequence[Any], p: float, mine: Callable[..., np.ndarray] | None, backend: Any) -> Step:
     """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
 
     ``mine`` builds this rank's contribution to a collective; None: this rank alone.
@@ -379,7 +382,7 @@ def _rescued(counted, p: float, mine, backend: Any) -> Generator:
     return top * partials.root(s, 0, p)
 
 
-def _agree_late(error: BaseException | None) -> Generator:
+def _agree_late(error: BaseException | None) -> Step:
     """A rank failed after the header (its flag came in a later collective): every rank
     raises the same error, naming it."""
     mine = (type(error).__name__, str(error)) if error is not None else None
@@ -387,7 +390,7 @@ def _agree_late(error: BaseException | None) -> Generator:
     raise AgreedError.from_reports([(err, None) for err in reports], mismatch=False)
 
 
-def _run_local(program: Generator) -> Any:
+def _run_local(program: Step) -> Any:
     """Run a generator that yields no collective (a rank working alone)."""
     try:
         next(program)
@@ -407,7 +410,7 @@ def _ldexp(mant: float, exp: int) -> float:
 # drivers
 
 
-def run_mpi(program: Program, comm) -> NormInfo:
+def run_mpi(program: Program, comm: Comm) -> NormInfo:
     """Run a program on this rank of ``comm`` (mpi4py)."""
     MPI = _mpi()
     try:
@@ -418,9 +421,10 @@ def run_mpi(program: Program, comm) -> NormInfo:
                 comm.Allreduce(request.data, out, op=MPI.MAX if request.op is NormOp.MAX else MPI.SUM)
                 request = program.send(out)
             else:
-                request = program.send(comm.allgather(request.item))
+                request = program.send(comm.allgather(request.item))  # type: ignore[union-attr]
     except StopIteration as done:
-        return done.value
+        info: NormInfo = done.value
+        return info
 
 
 @functools.lru_cache(maxsize=1)

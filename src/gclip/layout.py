@@ -335,8 +335,8 @@ class Mesh:
         self.axes: tuple[str, ...] = tuple(axes)
         self.shape: dict[str, int] = dict(axes)
         self.rank, self.size = rank, size
-        self.coords: dict[str, int] = dict(zip(self.axes, np.unravel_index(rank, tuple(axes.values()))))
-        self.coords = {k: int(v) for k, v in self.coords.items()}
+        place = np.unravel_index(rank, tuple(axes.values()))
+        self.coords: dict[str, int] = dict(zip(self.axes, map(int, place)))
         self._groups: dict[Any, Any] = {}
 
     @classmethod

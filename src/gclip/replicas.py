@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _validate, engine, partials
+from .comm import Comm
 from .errors import AgreedError, GclipValueError
 from .layout import _holding, no_copy_here, ranges
 
@@ -71,6 +72,7 @@ def _records(
     for i, (a, entry, label) in enumerate(zip(given.arrays, entries, labels)):
         if entry is None:
             raise no_copy_here(i)
+        members: tuple[int, ...]
         if entry is False or (isinstance(entry, (bool, np.bool_)) and not entry):
             members = (rank,)
         elif isinstance(entry, (bool, np.bool_)):
@@ -111,7 +113,7 @@ def _names(given: Any, names: Sequence[str] | None) -> list[str]:
 def _crc(a: np.ndarray) -> int:
     crc = 0
     for c in partials.iter_chunks(a):
-        crc = zlib.crc32(np.ascontiguousarray(c).view(np.uint8), crc)
+        crc = zlib.crc32(np.ascontiguousarray(c).view(np.uint8).data, crc)
     return crc
 
 
@@ -150,7 +152,7 @@ def explain(
     *,
     replicated: Sequence[Any] | None = None,
     names: Sequence[str] | None = None,
-    comm: Any = None,
+    comm: Comm | None = None,
     norm_type: float | str = 2.0,
 ) -> list[Row]:
     """Who counts what: one row per tensor (or shard), the same list on every rank.
@@ -213,7 +215,7 @@ def check_replicas(
     *,
     replicated: Sequence[Any],
     names: Sequence[str] | None = None,
-    comm: Any = None,
+    comm: Comm | None = None,
 ) -> None:
     """Check that arrays declared identical over a group really are, bit for bit.
 

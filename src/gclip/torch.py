@@ -90,10 +90,11 @@ class _TorchGroup:
                     request = program.send(buf.cpu().numpy())
                 else:  # the error path: one small picklable item per rank
                     items: list[Any] = [None] * self.size
-                    dist.all_gather_object(items, request.item, group=self.process_group)
+                    dist.all_gather_object(items, request.item, group=self.process_group)  # type: ignore[union-attr]
                     request = program.send(items)
         except StopIteration as done:
-            return done.value
+            info: engine.NormInfo = done.value
+            return info
 
     def group(self, entry: Any, index: int) -> layout.Group:
         """A replicated= process group as the ranks of comm it holds (layout's rank translation)."""
