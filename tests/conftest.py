@@ -15,8 +15,11 @@ and ends the process (under mpirun, Hydra then ends the other ranks).
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
+import inspect
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -279,3 +282,45 @@ def numpy_only(monkeypatch):
             _kernels.get.cache_clear()
 
     return run
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+NO_TORCH = "needs PyTorch, not installed (pip install '.[test,torch]')"
+# a module that imports torch, or asks for it at its top level, needs it in every test
+_MODULE_TORCH = re.compile(r"^(?:import torch\b|from torch\b|\S.*importorskip\(\s*[\"']torch[\"'])", re.M)
+_FUNCTION_TORCH = re.compile(r"importorskip\(\s*[\"']torch[\"']")
+
+
+def needs_torch(item: pytest.Item) -> bool:
+    """Marked ``torch``, in a module that needs torch, or a test function that asks for it.
+
+    Derived from the tests' own code, so the torch run (``scripts/test --torch``) finds
+    every such test without a list to keep. A test that needs torch some other way (a
+    subprocess, say) says so with ``@pytest.mark.torch``: without torch it skips, and the
+    README's run (no torch) fails on it until it does."""
+    if item.get_closest_marker("torch") is not None:
+        return True
+    return _mentions(getattr(item, "module", None), _MODULE_TORCH) or _mentions(
+        getattr(item, "function", None), _FUNCTION_TORCH
+    )
+
+
+def _mentions(obj: object, pattern: re.Pattern) -> bool:
+    if obj is None:
+        return False
+    try:
+        source = inspect.getsource(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+    return pattern.search(source) is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that needs torch (``-m torch`` selects them); without torch they skip."""
+    for item in items:
+        if needs_torch(item):
+            item.add_marker(pytest.mark.torch)
+            if not HAS_TORCH:
+                item.add_marker(pytest.mark.skip(reason=NO_TORCH))

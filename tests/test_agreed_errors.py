@@ -163,6 +163,13 @@ FAULTS: dict[str, Fault] = {
         "replicated",
         common=lambda: {"replicated": [False]},
     ),
+    # None means "no copy here" (Mesh.tied): refused, not counted as a shard
+    "replicated-none": Fault(
+        lambda: {"replicated": [None]},
+        GclipTypeError,
+        "replicated[0] is None",
+        common=lambda: {"replicated": [False]},
+    ),
     "reproducible-p3": Fault(
         lambda: {"norm_type": 3.0}, GclipValueError, "reproducible", common=lambda: {"reproducible": True}
     ),
@@ -391,3 +398,54 @@ def test_equal_limits_of_different_types_are_not_a_disagreement(comm, other):
     max_norm = other if comm.Get_rank() == comm.Get_size() - 1 else 1.0
     reports = everyone(comm, attempt(lambda: gclip.clip_by_global_norm(fresh(comm), max_norm, comm=comm)))
     assert all(r.kind is None for r in reports), reports[0].message
+
+
+def test_a_limit_of_minus_zero_is_zero_on_every_rank(comm):
+    """-0.0 == 0.0: ranks passing either agree, and every value is clipped to +0.0."""
+    max_norm = -0.0 if comm.Get_rank() == comm.Get_size() - 1 else 0.0
+    reports = everyone(comm, attempt(lambda: gclip.clip_by_global_norm(fresh(comm), max_norm, comm=comm)))
+    assert all(r.kind is None for r in reports), reports[0].message
+    result = gclip.clip_by_global_norm(fresh(comm), max_norm, comm=comm)
+    signs = everyone(comm, (math.copysign(1.0, result.scale), bool(np.signbit(result.grads).any())))
+    assert signs == [(1.0, False)] * comm.Get_size(), signs
+
+
+@pytest.mark.parametrize("where", ["last", "first"])
+@pytest.mark.parametrize("step", ["max_abs", "scaled_power_sum"])
+def test_a_failure_in_the_rescue_after_the_header_is_agreed(comm, monkeypatch, step, where):
+    """The overflow rescue reads the arrays again after the header: an out-of-memory (or
+    device) error there on one rank is raised on every rank, naming it, not left alone."""
+    from gclip import partials
+
+    bad, size = bad_rank(comm, where), comm.Get_size()
+    huge = (bad + 1) % size  # another rank overflows, so every rank takes the rescue
+    grads = fresh(comm) * (1e200 if comm.Get_rank() == huge else 1.0)
+    if comm.Get_rank() == bad:
+
+        def fail(*args, **kwargs):
+            raise MemoryError("cannot allocate 8 MiB")
+
+        monkeypatch.setattr(partials, step, fail)
+    reports = everyone(comm, attempt(lambda: gclip.clip_by_global_norm(grads, 1.0, comm=comm)))
+    monkeypatch.undo()
+    check_agreed(comm, reports, GclipError, bad, "MemoryError: cannot allocate")
+    check_comm_still_works(comm)
+
+
+@pytest.mark.parametrize("where", ["last", "first"])
+def test_explain_and_check_replicas_agree_on_errors_and_keep_their_class(comm, where):
+    from gclip import replicas
+
+    bad, mine = bad_rank(comm, where), comm.Get_rank() == bad_rank(comm, where)
+    norm_type = 0 if mine else 2.0  # checked inside the agreement, not before it
+    reports = everyone(comm, attempt(lambda: replicas.explain(fresh(comm), comm=comm, norm_type=norm_type)))
+    check_agreed(comm, reports, GclipValueError, bad, "norm_type")
+    grads = "0.5" if mine else fresh(comm)
+    reports = everyone(comm, attempt(lambda: replicas.explain(grads, comm=comm)))
+    check_agreed(comm, reports, GclipTypeError, bad, "grads")
+    reps = [None] if mine else [True]
+    reports = everyone(
+        comm, attempt(lambda: replicas.check_replicas([fresh(comm)], replicated=reps, comm=comm))
+    )
+    check_agreed(comm, reports, GclipTypeError, bad, "replicated[0] is None")
+    check_comm_still_works(comm)

@@ -129,14 +129,19 @@ def test_targets_carry_a_verdict(quick):
 
 
 @pytest.mark.slow
-def test_torch_part_runs_or_is_skipped(quick):
+@pytest.mark.skipif(HAS_TORCH, reason="torch is installed: test_torch_part_runs checks its rows")
+def test_torch_part_is_skipped_without_torch(quick):
+    result, _ = quick
+    assert result["torch"] is None
+    assert not [r for r in result["rows"] if r["impl"] == "torch"]
+    assert "skipped" in result["torch_note"]
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_torch_part_runs(quick):
     result, _ = quick
     torch_rows = [r for r in result["rows"] if r["impl"] == "torch"]
-    if not HAS_TORCH:
-        assert result["torch"] is None
-        assert not torch_rows
-        assert "skipped" in result["torch_note"]
-        pytest.skip("torch is not installed: only the skip was checked")
     assert result["torch"]
     assert len(torch_rows) == 8  # 2 dtypes x 2 sizes x active/inactive
     for r in torch_rows:

@@ -94,8 +94,15 @@ def _run(command: str) -> subprocess.CompletedProcess:
     )
 
 
+def _params() -> list:
+    """The doc's commands; those that judge with PyTorch (--torch) need it."""
+    return [
+        pytest.param(c, marks=pytest.mark.torch) if "--torch" in c.split() else c for c in sorted(COMMANDS)
+    ]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("command", _params())
 def test_every_command_of_the_doc_runs_as_shown(command):
     want = COMMANDS[command]
     proc = _run(command)

@@ -66,7 +66,7 @@ def _overlaps(t: Table) -> bool:
     return bool(np.any(start[1:] < np.maximum.accumulate(end)[:-1]))
 
 
-class Checked(list):
+class Checked(list[np.ndarray]):
     """A list of arrays with the table the argument checks read for it on this call.
 
     It is gclip's own copy of the caller's list, so nothing changes it before the

@@ -118,7 +118,7 @@ def _per_device(values: Sequence[torch.Tensor]) -> dict[torch.device, list[torch
 # the engine's backend
 
 
-def _by_path(arrays: Sequence[torch.Tensor]) -> tuple[list, list, list]:
+def _by_path(arrays: Sequence[torch.Tensor]) -> tuple[list[Any], list[Any], list[Any]]:
     """(CPU tensors numpy views without a copy, CPU bfloat16, the rest): the first go to
     numpy's kernels as they are, bfloat16 to them through its bits or a float32 widening."""
     host: list[torch.Tensor] = []

@@ -49,7 +49,7 @@ def _scalar(value: Any, name: str) -> float:
     if not _real(value):
         raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
     try:
-        return float(value)  # type: ignore[arg-type]
+        return float(value)
     except OverflowError:
         raise GclipValueError(f"{name} must be finite, got an integer beyond float") from None
 
@@ -59,7 +59,7 @@ def max_norm(value: Any, name: str = "max_norm") -> float:
     limit = _scalar(value, name)
     if not math.isfinite(limit) or limit < 0:
         raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
-    return limit
+    return limit + 0.0  # -0.0 becomes 0.0: else the scale is -0.0 and flips the sign of every value
 
 
 def scale(value: Any) -> float:
@@ -280,7 +280,7 @@ def _overlaps(arrays: Sequence[np.ndarray], members: Sequence[int]) -> dict[int,
         members,
         span=lambda i: _span(arrays[i]),
         same_view=lambda i, j: _same_view(arrays[i], arrays[j]),
-        shares=lambda i, j: np.shares_memory(arrays[i], arrays[j], max_work=10**6),
+        shares=lambda i, j: bool(np.shares_memory(arrays[i], arrays[j], max_work=10**6)),  # type: ignore[arg-type]
         overlap=lambda lo, hi: GclipValueError(
             f"grads[{lo}] and grads[{hi}] overlap in memory without being the same array: "
             "each value must be given once"

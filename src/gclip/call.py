@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from . import _validate, engine, layout, partials
-from .errors import GclipTypeError
+from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["NO_LIMIT", "Call", "entries_of", "prepare", "program", "settings"]
 
@@ -80,7 +80,8 @@ def entries_of(replicated: Any, what: str) -> Sequence[Any]:
         raise GclipTypeError(
             f"replicated must be a list with one entry per {what}, got {type(replicated).__name__}"
         )
-    return replicated
+    entries: Sequence[Any] = replicated
+    return entries
 
 
 def program(call: Call, rank: int, size: int, backend: Any = partials) -> engine.Program:
@@ -114,7 +115,7 @@ def _check_settings(
     p = _validate.norm_type(norm_type)
     limit = _validate.max_norm(max_norm) if max_norm is not NO_LIMIT else math.nan
     if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
-        raise _validate.GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
+        raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
     extra = (("max_norm", limit), ("error_if_nonfinite", error_if_nonfinite))
     return engine.Spec(steps, p, reproducible, extra), limit
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
 from . import _kernels, _validate, call, engine, partials, policy
+from .comm import Comm
+from .errors import GclipValueError
 
 __all__ = [
     "ClipResult",
@@ -83,7 +85,7 @@ def _finish(checked: call.Call, info: engine.NormInfo) -> ClipResult:
 def global_norm(
     grads: Any,
     *,
-    comm: Any = None,
+    comm: Comm | None = None,
     norm_type: float | str = 2.0,
     reproducible: bool = False,
     replicated: Sequence[Any] | None = None,
@@ -128,7 +130,7 @@ def clip_by_global_norm(
     grads: Any,
     max_norm: float,
     *,
-    comm: Any = None,
+    comm: Comm | None = None,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     inplace: bool = False,
@@ -218,7 +220,7 @@ def clip_simulated_by(
         and all(isinstance(r, (list, tuple)) for r in replicated)
     )
     if per_rank and len(replicated) != size:
-        raise _validate.GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
+        raise GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
     checked = [
         _prepare(
             g,
@@ -241,16 +243,41 @@ def clip_scale(total_norm: float, max_norm: float) -> float:
     limit = _validate.max_norm(max_norm)
     norm = _validate._scalar(total_norm, "total_norm")
     if norm < 0:
-        raise _validate.GclipValueError(f"total_norm must be >= 0, got {norm!r}")
+        raise GclipValueError(f"total_norm must be >= 0, got {norm!r}")
     return policy.scale(norm, limit)
 
 
+# what comes back is laid out as given: an array for an array, a list for a list, a tuple for a tuple
+@overload
+def clip_with_norm(
+    grads: np.ndarray, max_norm: float, total_norm: float, *, inplace: bool = ...
+) -> np.ndarray: ...
+@overload
+def clip_with_norm(
+    grads: list[np.ndarray], max_norm: float, total_norm: float, *, inplace: bool = ...
+) -> list[np.ndarray]: ...
+@overload
+def clip_with_norm(
+    grads: tuple[np.ndarray, ...], max_norm: float, total_norm: float, *, inplace: bool = ...
+) -> tuple[np.ndarray, ...]: ...
+@overload
+def clip_with_norm(grads: Any, max_norm: float, total_norm: float, *, inplace: bool = ...) -> Any: ...
 def clip_with_norm(grads: Any, max_norm: float, total_norm: float, *, inplace: bool = False) -> Any:
     """The second half of a clip, for a norm already known (e.g. from :func:`global_norm`):
     ``apply_scale(grads, clip_scale(total_norm, max_norm))``. Local: no communication."""
     return apply_scale(grads, clip_scale(total_norm, max_norm), inplace=inplace)
 
 
+@overload
+def apply_scale(grads: np.ndarray, scale: float, *, inplace: bool = ...) -> np.ndarray: ...
+@overload
+def apply_scale(grads: list[np.ndarray], scale: float, *, inplace: bool = ...) -> list[np.ndarray]: ...
+@overload
+def apply_scale(
+    grads: tuple[np.ndarray, ...], scale: float, *, inplace: bool = ...
+) -> tuple[np.ndarray, ...]: ...
+@overload
+def apply_scale(grads: Any, scale: float, *, inplace: bool = ...) -> Any: ...
 def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
     """Multiply arrays by ``scale`` (finite, >= 0), each in its own dtype.
 
@@ -267,9 +294,9 @@ def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
 def _scaled(given: _validate.Grads, scale: float, inplace: bool) -> Any:
     if inplace:
         if scale != 1.0:  # exactly 1: nothing to do, not even a read
-            rest = given.arrays
+            rest: Sequence[np.ndarray] = given.arrays
             if len(rest) >= _kernels.MANY:
-                rest = _multiply_many(rest, scale)
+                rest = _multiply_many(given.arrays, scale)
             for a in rest:
                 _multiply(a, scale, a)
         return given.as_given()
@@ -307,7 +334,7 @@ def _multiply_many(arrays: list[np.ndarray], scale: float) -> Sequence[np.ndarra
     :func:`_multiply` would); returns the others."""
     kernels = _kernels.get()
     table = kernels.table_for(arrays, writable=True) if kernels is not None else None
-    if table is None or not table.compiled:
+    if kernels is None or table is None or not table.compiled:
         return arrays
     kernels.scale(table, scale, policy.float32_toward_zero(scale))
     return partials.left_to_numpy(arrays, table)

@@ -36,7 +36,10 @@ class Check(NamedTuple):
 
 def seed_checks(n: int) -> list[Check]:
     """The original incident report's seven checks for a given N (the report uses N = 1..5)."""
-    r = lambda x: round(x, DIGITS)  # noqa: E731 - as the report writes it
+
+    def r(x: float) -> float:  # as the report writes it
+        return round(x, DIGITS)
+
     return [
         Check("norm spans two shards", [[3 * n, 0], [0, 4 * n]], 2 * n, [[r(1.2 * n), 0], [0, r(1.6 * n)]]),
         Check("uneven shard widths", [[3 * n], [4 * n, 0]], 2 * n, [[r(1.2 * n)], [r(1.6 * n), 0]]),

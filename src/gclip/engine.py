@@ -19,8 +19,8 @@ its element count and (for finite p) its whole sum of |x|**p. So in the default
 L2 path the header IS the one collective, and whatever goes wrong on one rank
 (bad input, different arguments) is known to every rank at the same moment:
 all raise the same error, none is left waiting. Only the inf-norm, the
-reproducible mode and the overflow rescue need a second, config-dependent
-collective (and a replaced combine step: the gallery's norm-sharing bugs),
+reproducible mode, the overflow rescue and the gallery's norm-sharing bugs (which
+combine local norms, not powers) need a second, config-dependent collective,
 which comes after the header has agreed on the config.
 """
 
@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import partials, policy
+from .comm import Comm
 from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "Steps",
     "counted",
     "drive",
+    "local_norm",
     "norm_program",
     "rescued",
     "run_mpi",
@@ -82,6 +84,8 @@ class Gather(NamedTuple):
 
 
 Program = Generator["Reduce | Gather", Any, "NormInfo"]
+# a step of a program: it yields collectives, is sent their results, returns a T
+Step = Generator["Reduce | Gather", Any, Any]
 
 
 class NormInfo(NamedTuple):
@@ -116,7 +120,7 @@ class Local(NamedTuple):
     """What a rank knows of its own arrays before any collective."""
 
     counted: Sequence[np.ndarray] = ()
-    count: int = 0
+    count: int = 0  # type: ignore[assignment]  # (a field named as tuple.count)
     power: float = 0.0  # sum |x|**p (finite p), max |x| (inf)
     rescue: bool = False  # the plain sum overflowed or underflowed
     nan: bool = False  # inf-norm: a NaN was seen
@@ -156,7 +160,7 @@ class Steps:
         """The header's SUM is the whole answer: no digits, no rescue, a finite p."""
         return local.part is None and not total[_RESCUE] and not math.isinf(spec.norm_type)
 
-    def combine(self, local: Local, spec: Spec, rank: int, total: list[float]) -> Generator:
+    def combine(self, local: Local, spec: Spec, rank: int, total: list[float]) -> Step:
         """The second collective, where the header does not suffice:
         (the norm, the power sum as (mant, exp) if known)."""
         return _combine(local, spec, total, self.in_header(rank))
@@ -241,8 +245,8 @@ def norm_program(
     All local work happens before the header, so an argument the caller
     ``refused`` or whatever the local reduction raises becomes this rank's
     error flag, and every rank raises it together. After the header only the
-    collectives and the arithmetic on their results run, except the overflow
-    rescue, which reads the arrays again.
+    overflow rescue reads the arrays again; a failure there is flagged in the
+    rescue's own collectives and raised on every rank together too.
 
     ``backend`` computes the local partials where the arrays live: the
     ``partials`` module for numpy arrays (the default), or a module with the
@@ -317,9 +321,16 @@ def _local(counted: Sequence[Any], spec: Spec, backend: Any) -> Local:
         part = backend.binned_digits(binned, counted)
         norm, (mant, exp) = binned.summary(part)
         return Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
-    power, rescue = backend.power_sum(counted, p)
-    norm = _run_local(rescued(counted, p, None, backend)) if rescue else partials.root(power, 0, p)
+    power, rescue, norm = local_norm(counted, p, backend)
     return Local(counted, count, power, rescue, False, None, norm, backend)
+
+
+def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tuple[float, bool, float]:
+    """(sum |x|**p, rescue, norm) of one rank's arrays for a finite p, the norm right even
+    where the plain sum over- or underflows (the two-pass rescue, on this rank alone)."""
+    power, rescue = backend.power_sum(arrays, p)
+    norm = _run_local(rescued(arrays, p, None, backend)) if rescue else partials.root(power, 0, p)
+    return power, rescue, norm
 
 
 def counted(arrays: Sequence[Any], owned: Sequence[bool] | None) -> Sequence[Any]:
@@ -329,7 +340,7 @@ def counted(arrays: Sequence[Any], owned: Sequence[bool] | None) -> Sequence[Any
     return [a for a, own in zip(arrays, owned) if own]
 
 
-def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Generator:
+def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Step:
     """Some rank failed or disagreed: every rank raises the same error."""
     own_error = (type(error).__name__, str(error)) if error is not None else None
     reports = yield Gather((own_error, spec.describe(), counting.summary))  # the error path's own round trip
@@ -339,7 +350,7 @@ def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch
     raise GclipValueError(explain([summary for _, _, summary in reports]))
 
 
-def _combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Generator:
+def _combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
     """The second collective: (the norm, the power sum as (mant, exp) if known).
 
     ``shares``: this rank's partial enters it (else it brings the neutral value).
@@ -362,27 +373,59 @@ def _combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Gene
     return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum
 
 
-def rescued(counted, p: float, contribution, backend: Any) -> Generator:
+def rescued(
+    counted: Sequence[Any], p: float, contribution: Callable[..., np.ndarray] | None, backend: Any
+) -> Step:
     """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
 
     ``contribution`` builds this rank's part of a collective; None: this rank alone.
+    Across ranks this runs after the header and reads the arrays again, so a failure
+    here (out of memory, a device error) rides as a flag in the pass's own collective
+    and every rank raises it together.
     """
-    top, nan = backend.max_abs(counted)
+    error: BaseException | None = None
+    top, nan = 0.0, False
+    try:
+        top, nan = backend.max_abs(counted)
+    except Exception as exc:  # agreed in the MAX below (the raise above: alone)
+        if contribution is None:
+            raise
+        error = exc
     if contribution is not None:
-        got = yield Reduce(contribution([top, float(nan)], -1.0), NormOp.MAX)
+        got = yield Reduce(
+            np.append(contribution([top, float(nan)], -1.0), 1.0 if error else 0.0), NormOp.MAX
+        )
+        if got[2] > 0:
+            yield from _agree_late(error)
         top, nan = float(got[0]), bool(got[1] > 0)
     if nan:
         return math.nan
     if top == 0.0 or math.isinf(top):
         return top
-    s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
+    s = 0.0
+    try:
+        s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
+    except Exception as exc:  # agreed in the SUM below
+        if contribution is None:
+            raise
+        error = exc
     if contribution is not None:
-        got = yield Reduce(contribution([s]))
+        got = yield Reduce(np.append(contribution([s]), 1.0 if error else 0.0))
+        if got[1] > 0:
+            yield from _agree_late(error)
         s = float(got[0])
     return top * partials.root(s, 0, p)
 
 
-def _run_local(program: Generator) -> Any:
+def _agree_late(error: BaseException | None) -> Step:
+    """A rank failed after the header (its flag came in a later collective): every rank
+    raises the same error, naming it."""
+    mine = (type(error).__name__, str(error)) if error is not None else None
+    reports = yield Gather(mine)
+    raise AgreedError.from_reports([(err, None) for err in reports], mismatch=False)
+
+
+def _run_local(program: Step) -> Any:
     """Run a generator that yields no collective (a rank working alone)."""
     try:
         next(program)
@@ -405,7 +448,7 @@ def _ldexp(mant: float, exp: int) -> float:
 def drive(
     program: Program,
     all_reduce: Callable[[np.ndarray, NormOp], np.ndarray],
-    all_gather: Callable[[Any], list],
+    all_gather: Callable[[Any], list[Any]],
 ) -> NormInfo:
     """Run a program on one rank: each Reduce through ``all_reduce(data, op)``, each Gather
     through ``all_gather(item)`` (a driver: MPI here, torch.distributed in ``gclip.torch``)."""
@@ -415,12 +458,13 @@ def drive(
             if type(request) is Reduce:
                 request = program.send(all_reduce(request.data, request.op))
             else:
-                request = program.send(all_gather(request.item))
+                request = program.send(all_gather(request.item))  # type: ignore[union-attr]
     except StopIteration as done:
-        return done.value
+        info: NormInfo = done.value
+        return info
 
 
-def run_mpi(program: Program, comm: Any) -> NormInfo:
+def run_mpi(program: Program, comm: Comm) -> NormInfo:
     """Run a program on this rank of ``comm`` (mpi4py)."""
     MPI = _mpi()
 

@@ -9,6 +9,7 @@ raises the same class with the same message, naming the offending rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "AgreedError",
@@ -41,7 +42,7 @@ class AgreedError:
     """Builds the one exception all ranks raise from what each rank reported."""
 
     @staticmethod
-    def from_reports(reports: Sequence, mismatch: bool) -> GclipError:
+    def from_reports(reports: Sequence[Any], mismatch: bool) -> GclipError:
         """``reports[r]`` is rank r's ``(error, arguments)``; error is (type name, message) or None."""
         size = len(reports)
         if mismatch:

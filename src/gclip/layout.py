@@ -73,8 +73,8 @@ def is_flag(entry: Any) -> bool:
 
 
 def is_shard(entry: Any) -> bool:
-    """False (or None): this rank's own shard, counted here."""
-    return entry is None or (isinstance(entry, (bool, np.bool_)) and not entry)
+    """False: this rank's own shard, counted here (None, "no copy here", is refused apart)."""
+    return isinstance(entry, (bool, np.bool_)) and not entry
 
 
 def is_group(entry: Any) -> bool:
@@ -113,6 +113,8 @@ def counting(
     held: dict[tuple[int, ...], list[tuple[tuple[int, ...], str]]] = {}
     where: dict[tuple[int, ...], int] = {}
     for i, (entry, a) in enumerate(zip(entries, arrays)):
+        if entry is None:
+            raise no_copy_here(i)
         if is_shard(entry):
             owned.append(True)
             continue
@@ -135,6 +137,16 @@ def counting(
             ring[slot] += _ring(salt, members, i, what) - _ring(salt, members, (i + 1) % k, what)
     summary = {members: items for members, items in held.items()}
     return Counting(owned, (ring[0], ring[1]), summary, _explain)
+
+
+def no_copy_here(index: int) -> GclipTypeError:
+    """The error for a None entry: None means "this rank holds no copy" (Mesh.tied,
+    Mesh.entry), so an array declared so is not this rank's to count; it is refused
+    rather than counted as a shard."""
+    return GclipTypeError(
+        f"replicated[{index}] is None (no copy on this rank): leave that array out of grads, "
+        "or pass False for a shard, True or a group for a copy"
+    )
 
 
 def _dtype_code(dtype: Any) -> str:
@@ -335,8 +347,8 @@ class Mesh:
         self.axes: tuple[str, ...] = tuple(axes)
         self.shape: dict[str, int] = dict(axes)
         self.rank, self.size = rank, size
-        self.coords: dict[str, int] = dict(zip(self.axes, np.unravel_index(rank, tuple(axes.values()))))
-        self.coords = {k: int(v) for k, v in self.coords.items()}
+        place = np.unravel_index(rank, tuple(axes.values()))
+        self.coords: dict[str, int] = dict(zip(self.axes, map(int, place)))
         self._groups: dict[Any, Any] = {}
 
     @classmethod
@@ -390,7 +402,8 @@ class Mesh:
     def tied(self, axis: str, stages: Sequence[int] = (0, -1), replicated: Sequence[str] = ()) -> Any:
         """The group holding a tensor tied across ``stages`` of ``axis`` (e.g. the
         embedding of the first and the last pipeline stage), also replicated
-        over ``replicated``. On a rank not on those stages: None (it holds no copy)."""
+        over ``replicated``. On a rank not on those stages: None (it holds no copy, so
+        it leaves the tensor out of grads; a None entry in ``replicated=`` is refused)."""
         (axis,) = self._check_axes((axis,))
         reps = self._check_axes(replicated)
         if axis in reps:

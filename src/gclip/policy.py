@@ -40,7 +40,7 @@ def _down_to_quotient(factor: float, num: float, den: float) -> float:
 
 def float32_toward_zero(factor: float) -> np.float32:
     """The factor rounded to float32 toward zero (never up)."""
-    f32 = np.float32(factor)
+    f32: np.float32 = np.float32(factor)
     if float(f32) > factor:
-        f32 = np.nextafter(f32, np.float32(0.0))
+        f32 = np.float32(np.nextafter(f32, np.float32(0.0)))
     return f32

@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _validate, partials
-from .errors import GclipValueError
-from .layout import _holding, is_flag, is_shard, ranges
+from . import _validate, engine, partials
+from .comm import Comm
+from .errors import AgreedError, GclipValueError
+from .layout import _holding, is_flag, is_shard, no_copy_here, ranges
 
 __all__ = ["Row", "check_replicas", "diverged", "explain", "explain_simulated"]
 
@@ -46,6 +47,7 @@ class _Record(NamedTuple):
     members: tuple[int, ...]
     slot: int  # its place among this rank's arrays of the same group: the k-th of each member match
     power: float
+    norm: float  # its own p-norm, right where power over- or underflows
     crc: int
 
     @property
@@ -68,6 +70,9 @@ def _records(
     out = []
     places: dict[tuple[int, ...], int] = {}
     for i, (a, entry, label) in enumerate(zip(given.arrays, entries, labels)):
+        if entry is None:
+            raise no_copy_here(i)
+        members: tuple[int, ...]
         if is_shard(entry):
             members = (rank,)
         elif is_flag(entry):
@@ -75,9 +80,12 @@ def _records(
         else:
             holding = _holding(entry, comm, rank, size, i)
             members = holding.members
-        power = partials.max_abs([a])[0] if math.isinf(p) else partials.power_sum([a], p)[0]
+        if math.isinf(p):
+            power = norm = partials.max_abs([a])[0]
+        else:  # the engine's own local step, with its overflow/underflow rescue
+            power, _, norm = engine.local_norm([a], p)
         slot = places[members] = places.get(members, -1) + 1
-        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, slot, power, _crc(a)))
+        out.append(_Record(str(label), tuple(a.shape), a.dtype.name, members, slot, power, norm, _crc(a)))
     return out
 
 
@@ -105,7 +113,7 @@ def _names(given: Any, names: Sequence[str] | None) -> list[str]:
 def _crc(a: np.ndarray) -> int:
     crc = 0
     for c in partials.iter_chunks(a):
-        crc = zlib.crc32(np.ascontiguousarray(c).view(np.uint8), crc)
+        crc = zlib.crc32(np.ascontiguousarray(c).view(np.uint8).data, crc)
     return crc
 
 
@@ -119,12 +127,24 @@ def _rows(per_rank: Sequence[Sequence[_Record]], p: float) -> list[Row]:
         top = max((r.power for r in counted), default=0.0)
         shares = [1.0 if r.power == top and top > 0 else 0.0 for r in counted]
     else:
-        total = math.fsum(r.power for r in counted)
-        shares = [r.power / total if total > 0 else 0.0 for r in counted]
+        shares = _shares([r.norm for r in counted], p)
     return [
         Row(r.name, r.shape, r.dtype, r.members, r.members[0], r.power, share)
         for r, share in zip(counted, shares)
     ]
+
+
+def _shares(norms: Sequence[float], p: float) -> list[float]:
+    """Each norm**p over the sum of all, computed as (norm / top)**p so that neither
+    1e200 (whose power overflows) nor 1e-200 (whose power underflows) loses its share."""
+    if any(math.isnan(n) for n in norms):
+        return [math.nan] * len(norms)
+    top = max(norms, default=0.0)
+    if top == 0.0 or math.isinf(top):  # nothing to share, or an infinite value: undefined there
+        return [math.nan if math.isinf(n) else 0.0 for n in norms]
+    powers = [(n / top) ** p for n in norms]
+    total = math.fsum(powers)
+    return [w / total for w in powers]
 
 
 def explain(
@@ -132,7 +152,7 @@ def explain(
     *,
     replicated: Sequence[Any] | None = None,
     names: Sequence[str] | None = None,
-    comm: Any = None,
+    comm: Comm | None = None,
     norm_type: float | str = 2.0,
 ) -> list[Row]:
     """Who counts what: one row per tensor (or shard), the same list on every rank.
@@ -142,15 +162,15 @@ def explain(
     diagnostic (it gathers every rank's list: not for the training loop).
     """
     comm = _validate.communicator(comm)
-    p = _validate.norm_type(norm_type)
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine, error = [], None
+    mine, error, p = [], None, 2.0
     try:
+        p = _validate.norm_type(norm_type)
         mine = _records(grads, replicated, names, rank, size, comm, p)
     except Exception as exc:  # noqa: BLE001 - agreed below, so no rank waits
         error = exc
-    gathered = comm.allgather((None if error is None else str(error), mine))
-    _raise_agreed(gathered, error)
+    gathered = comm.allgather((_report(error), mine))
+    _raise_agreed(gathered)
     return _rows([recs for _, recs in gathered], p)
 
 
@@ -180,11 +200,14 @@ def explain_simulated(
     return _rows(per_rank, p)
 
 
-def _raise_agreed(gathered: Sequence[tuple[str | None, Any]], error: BaseException | None) -> None:
-    bad = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
-    if bad:
-        r, msg = bad[0]
-        raise GclipValueError(f"rank {r} of {len(gathered)}: {msg}")
+def _report(error: BaseException | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> None:
+    """Every rank raises the same error, of the class the failing rank met (see AgreedError)."""
+    if any(report is not None for report, _ in gathered):
+        raise AgreedError.from_reports([(report, None) for report, _ in gathered], mismatch=False)
 
 
 def check_replicas(
@@ -192,7 +215,7 @@ def check_replicas(
     *,
     replicated: Sequence[Any],
     names: Sequence[str] | None = None,
-    comm: Any = None,
+    comm: Comm | None = None,
 ) -> None:
     """Check that arrays declared identical over a group really are, bit for bit.
 
@@ -207,10 +230,8 @@ def check_replicas(
         mine = _records(grads, replicated, names, rank, size, comm, 2.0)
     except Exception as exc:  # noqa: BLE001 - agreed below
         error = exc
-    gathered = comm.allgather(
-        (None if error is None else str(error), [(r.name, r.members, r.slot, r.crc) for r in mine])
-    )
-    _raise_agreed(gathered, error)
+    gathered = comm.allgather((_report(error), [(r.name, r.members, r.slot, r.crc) for r in mine]))
+    _raise_agreed(gathered)
     problem = diverged([recs for _, recs in gathered])
     if problem:
         raise GclipValueError(problem)

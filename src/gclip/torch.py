@@ -87,7 +87,8 @@ class _TorchGroup:
             op=dist.ReduceOp.MAX if op is engine.NormOp.MAX else dist.ReduceOp.SUM,
             group=self.process_group,
         )
-        return buf.cpu().numpy()
+        out: np.ndarray = buf.cpu().numpy()
+        return out
 
     def _all_gather(self, item: Any) -> list[Any]:  # the error path: one small picklable item per rank
         items: list[Any] = [None] * self.size
@@ -238,7 +239,7 @@ def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]
 
     def same_view(i: int, j: int) -> bool:
         a, b = tensors[i], tensors[j]
-        return (
+        return bool(
             a.data_ptr() == b.data_ptr()
             and a.shape == b.shape
             and a.stride() == b.stride()

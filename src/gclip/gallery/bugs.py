@@ -178,7 +178,7 @@ class Strategy(engine.Steps):
             return min(1.0, max_norm / (norm + self.epsilon))
         return policy.scale(norm + self.epsilon, max_norm)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return card(self, norm_type=self.norm_type)
 
 
@@ -188,7 +188,7 @@ def _answered(value: Any) -> Generator:
     yield  # pragma: no cover - makes this a generator
 
 
-def card(bug: Any, **more: Any) -> dict:
+def card(bug: Any, **more: Any) -> dict[str, Any]:
     """A gallery entry as a dict: name, summary, where it was seen, why it is wrong (and more)."""
     return {
         "name": bug.name,
@@ -204,8 +204,8 @@ def _rms(*, norm: float, p: float, count: int, power: tuple[float, int] | None, 
         return 0.0
     if power is not None and power[1] == 0 and math.isfinite(p):
         mant = power[0] / count
-        return math.sqrt(mant) if p == 2.0 else mant ** (1.0 / p)
-    return norm / count ** (1.0 / p)
+        return math.sqrt(mant) if p == 2.0 else float(mant ** (1.0 / p))
+    return norm / math.pow(count, 1.0 / p)
 
 
 def _mean(*, norm: float, ranks: int, **_: object) -> float:
@@ -361,7 +361,7 @@ class LayoutBug:
         tied = None if self.untie or placement.tied == self.apart else placement.tied
         return placement._replace(replicated=reps, tied=tied)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return card(self, shows_on=self.shows_on)
 
 

@@ -1,0 +1,1 @@
+"""Unit tests, one file per core module: single process, no mpirun, fast (``scripts/test --fast``)."""

@@ -1,0 +1,105 @@
+"""gclip.partials: each local reduction against exact arithmetic (fractions) or math.fsum."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from gclip import partials
+
+
+def exact_power(arrays, p: int) -> Fraction:
+    return sum((abs(Fraction(float(v))) ** p for a in arrays for v in np.ravel(a)), Fraction(0))
+
+
+def arrays_of(seed: int, dtype=np.float64) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    sizes = [0, 1, 7, 1000, 3 * partials.BLOCK + 5]
+    return [(rng.standard_normal(n) * 10.0 ** rng.integers(-4, 4)).astype(dtype) for n in sizes]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_power_sum_is_the_float64_sum_of_powers(dtype, p):
+    arrays = arrays_of(p, dtype)
+    total, rescue = partials.power_sum(arrays, float(p))
+    assert not rescue
+    assert total == pytest.approx(float(exact_power(arrays, p)), rel=1e-12)
+
+
+def test_power_sum_flags_what_it_cannot_trust():
+    assert partials.power_sum([np.array([1e200, 1.0])], 2.0)[1] is True  # overflow
+    assert partials.power_sum([np.array([1e-200])], 2.0)[1] is True  # underflow
+    total, rescue = partials.power_sum([np.array([1.0, math.inf])], 2.0)
+    assert total == math.inf and rescue is False  # the norm IS inf: nothing to rescue
+    total, rescue = partials.power_sum([np.array([math.nan, 1.0])], 2.0)
+    assert math.isnan(total) and rescue is False
+    assert partials.power_sum([], 2.0) == (0.0, False)
+
+
+def test_max_abs_and_the_nan_flag():
+    arrays = [np.array([-7.5, 2.0]), np.array([], dtype=np.float32), np.array([3.0], dtype=np.float16)]
+    assert partials.max_abs(arrays) == (7.5, False)
+    assert partials.max_abs([np.array([1.0, math.nan, -9.0])])[1] is True  # NaN travels as a flag
+    assert partials.max_abs([np.array([2.0]), np.array([math.nan])]) == (2.0, True)
+    assert partials.max_abs([]) == (0.0, False)
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200, 1.0])
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_scaled_power_sum_is_exact_relative_to_the_top(scale, p):
+    arrays = [np.array([3.0, -4.0]) * scale, np.array([0.5]) * scale]
+    top = partials.max_abs(arrays)[0]
+    got = partials.scaled_power_sum(arrays, float(p), top)
+    want = exact_power([[v / Fraction(top) for v in map(Fraction, np.concatenate(arrays))]], p)
+    assert got == pytest.approx(float(want), rel=1e-15)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5])
+def test_root_inverts_the_power_without_overflow(p):
+    assert partials.root(16.0, 0, p) == pytest.approx(16.0 ** (1 / p), rel=1e-15)
+    # 2**2000 as (1.0, 1000) for p=2: the root is 2**1000
+    assert partials.root(1.0, 1000, 2.0) == 2.0**1000
+    assert partials.root(0.0, 5, p) == 0.0 and math.isinf(partials.root(math.inf, 0, p))
+
+
+def test_count_and_chunks_cover_every_element_once():
+    arrays = arrays_of(9)
+    assert partials.count(arrays) == sum(a.size for a in arrays)
+    big = np.arange(2.5 * partials.CHUNK)
+    chunks = list(partials.iter_chunks(big))
+    assert sum(c.size for c in chunks) == big.size
+    assert np.array_equal(np.concatenate(chunks), big)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_binned_digits_give_the_exact_sum_for_any_split(p):
+    values = np.concatenate(arrays_of(3 + p))
+    binned = partials.BinnedPowerSum(float(p))
+    want = exact_power([values], p)
+    sums = set()
+    for cuts in ([values], [values[:10], values[10:]], np.array_split(values, 7)):
+        digits = sum(binned.local([c]) for c in cuts)
+        norm, (mant, exp) = binned.summary(digits)
+        sums.add(norm.hex())
+        power = Fraction(mant) * Fraction(2) ** (p * exp)  # rounded once, from digits exact to ~2**-76
+        assert abs(power - want) <= want * Fraction(2) ** -52
+    assert len(sums) == 1
+    assert float.fromhex(sums.pop()) == pytest.approx(float(want) ** (1.0 / p), rel=2.3e-16)
+
+
+def test_binned_digits_carry_inf_and_nan():
+    binned = partials.BinnedPowerSum(2.0)
+    assert binned.summary(binned.local([np.array([1.0, math.inf])]))[0] == math.inf
+    assert math.isnan(binned.summary(binned.local([np.array([math.nan])]))[0])
+    with pytest.raises(ValueError, match="reproducible"):
+        partials.BinnedPowerSum(3.0)
+
+
+def test_half_power_sum_overflows_as_float16_does():
+    """The gallery's fp16 bug: accumulated in float16, 300**2 > 65504 is inf."""
+    assert partials.half_power_sum([np.array([300.0])], 2.0) == math.inf
+    assert partials.half_power_sum([np.array([3.0, 4.0])], 2.0) == 25.0
