@@ -40,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _torch_partials, _validate, clip, engine, layout
+from . import _dtensor, _torch_partials, _validate, clip, engine, layout
 from .errors import GclipError, GclipTypeError, GclipValueError
 from .strategies import NormOp
 
@@ -71,8 +71,9 @@ class _Mpi:
 class _TorchGroup:
     """A torch.distributed process group: the same program, its header all-reduced by torch."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, mesh: Any = None) -> None:
         self.process_group = group
+        self.mesh = mesh  # comm=DeviceMesh: replicated= may name its dimensions
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.ranks = {g: i for i, g in enumerate(_global_ranks(group))}  # global rank -> rank in group
         # NCCL reduces only tensors on the current CUDA device; gloo (or "cpu:gloo,cuda:nccl") on the CPU
@@ -127,6 +128,10 @@ def _world(comm: Any) -> _Mpi | _TorchGroup:
         return _Mpi(_mpi_world())
     if _is_process_group(comm):
         return _TorchGroup(comm)
+    if _dtensor.is_mesh(comm):
+        return _TorchGroup(_dtensor.mesh_group(comm), comm)
+    if dist.is_available() and comm is dist.GroupMember.NON_GROUP_MEMBER:
+        raise GclipValueError("comm: this rank is not in that process group (it got the non-member handle)")
     if hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce"):
         return _Mpi(comm)
     raise GclipTypeError(
@@ -166,8 +171,9 @@ def _checked(g: Any, where: str) -> torch.Tensor:
     if not isinstance(g, torch.Tensor):
         hint = " (named_parameters()? pass the parameters alone)" if isinstance(g, tuple) else ""
         raise GclipTypeError(f"{where} must be a tensor, got {type(g).__name__}{hint}")
-    if hasattr(g, "to_local"):
-        raise GclipTypeError(f"{where} is a DTensor: pass its local shard (.to_local()) and replicated=")
+    if _dtensor.is_dtensor(g):
+        _checked(_dtensor.local(g), where)  # its local tensor is what this rank holds and scales
+        return g
     if g.layout != torch.strided:
         raise GclipTypeError(f"{where} is a {g.layout} tensor; gclip clips dense tensors")
     if g.dtype not in FLOAT_DTYPES:
@@ -178,8 +184,9 @@ def _checked(g: Any, where: str) -> torch.Tensor:
 
 
 class _Gradients(NamedTuple):
-    tensors: list[torch.Tensor]  # each distinct gradient once
-    entries: list[Any] | None  # its replicated= entry (None: none given)
+    tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
+    entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
+    wheres: list[str]  # where it came from, for messages
 
 
 def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradients:
@@ -190,11 +197,12 @@ def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradient
     """
     name = "parameters" if of_parameters else "tensors"
     items = _as_list(items, name)
-    if replicated is not None:
-        if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
-            raise GclipTypeError(f"replicated must be a list with one entry per {name[:-1]}")
-        if len(replicated) != len(items):
-            raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
+    alone = replicated is not None and not isinstance(replicated, (list, tuple))
+    if alone:  # one entry alone (True, False, a group, a name): for every plain tensor
+        replicated = [replicated] * len(items)
+    if replicated is not None and len(replicated) != len(items):
+        raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
+    placed: dict[int, Any] = {}  # a DTensor's one Placed entry, however often it is given
     picked: list[tuple[str, torch.Tensor, Any]] = []
     for i, item in enumerate(items):
         if of_parameters:
@@ -207,9 +215,22 @@ def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradient
             if item is None:
                 raise GclipTypeError(f"tensors[{i}] is None: pass only the gradients that exist")
             where, g = f"tensors[{i}]", item
-        picked.append((where, _checked(g, where), None if replicated is None else replicated[i]))
+        g, entry = _checked(g, where), None if replicated is None else replicated[i]
+        if _dtensor.is_dtensor(g):  # its placements say what it holds; an entry only adds copies
+            if alone and not _dtensor._is_names(entry):
+                entry = None
+            if entry is True or (entry is not None and entry is not False and not _dtensor._is_names(entry)):
+                raise GclipTypeError(
+                    f"{where} is a DTensor: its placements say what it holds; replicated= takes, for a "
+                    f"DTensor, only mesh dimension names of copies outside its mesh, got {entry!r}"
+                )
+            key = (id(g), repr(entry))
+            if key not in placed:
+                placed[key] = _dtensor.Placed(g.device_mesh, tuple(g.placements), entry, where)
+            g, entry = _dtensor.local(g), placed[key]
+        picked.append((where, g, entry))
     kept = _distinct(picked)
-    return _Gradients([g for _, g, _ in kept], None if replicated is None else [e for _, _, e in kept])
+    return _Gradients([g for _, g, _ in kept], [e for _, _, e in kept], [w for w, _, _ in kept])
 
 
 def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor, Any]]:
@@ -294,17 +315,11 @@ def _prepare(
     spec, limit, counting, error = clip._FALLBACK_SPEC, math.nan, engine.EVERY_ARRAY, None
     try:
         spec, limit = clip._settings(mode, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
-        grads, entries = collect()
-        if entries is not None:
-            groups = [e if _is_flag(e) else world.group(e, i) for i, e in enumerate(entries)]
-            counting = layout.counting(groups, grads, rank=world.rank, size=world.size)
+        grads, entries, wheres = collect()
+        counting = _dtensor.counting(world, grads, entries, wheres)  # DTensor placements, declarations
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
         grads, counting, error = [], engine.EVERY_ARRAY, exc
     return _Call(grads, spec, limit, bool(error_if_nonfinite), counting, error)
-
-
-def _is_flag(entry: Any) -> bool:
-    return entry is None or isinstance(entry, (bool, np.bool_))
 
 
 def _global_norm(world: _Mpi | _TorchGroup, call: _Call) -> float:
@@ -423,7 +438,7 @@ def clip_grads_with_norm_(
     communication; pass the global norm from :func:`get_total_norm`.
     """
     scale = clip.clip_scale(total_norm, max_norm)
-    grads, _ = _gradients(parameters, None, of_parameters=True)
+    grads = _gradients(parameters, None, of_parameters=True).tensors
     _scale_(grads, scale, foreach)
 
 

@@ -1,0 +1,59 @@
+"""gclip.torch on PyTorch's layouts under torchrun, 4 CPU processes (gloo): FSDP2, HSDP,
+tensor parallel, FSDP x TP, two pipeline stages x FSDP, DDP (tests/torch_layouts_check.py).
+
+The oracle: math.fsum over the squares of every full gradient (``full_tensor()``),
+each tensor counted once. The clipped full gradient's norm must be min(max_norm, norm)
+and every full gradient its old value times one scale.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
+
+from torch_jobs import ROOT, job_env, run_job, torchrun_cmd
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(ROOT / "tests" / "torch_layouts_check.py")
+RANKS = 4
+
+
+def reports(layout: str, tmp_path) -> list[dict]:
+    job = run_job(torchrun_cmd(RANKS, SCRIPT, layout, str(tmp_path)), env=job_env())
+    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp", "fsdp_tp", "pp_fsdp", "ddp", "fsdp_2d"])
+def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout, tmp_path):
+    every = reports(layout, tmp_path)
+    oracle = every[0]["oracle"]
+    assert oracle > 0
+    for r in every:
+        assert r["oracle"] == oracle
+        assert abs(r["norm"] - oracle) <= 1e-12 * oracle, (r["rank"], r["norm"], oracle)
+        assert r["limit"] < r["norm"]  # the clip is at work
+        assert abs(r["clipped"] - r["limit"]) <= 1e-6 * r["limit"]  # float32 gradients: rounded once each
+        assert r["scaled_once"]
+    if layout in ("ddp", "tp", "fsdp_2d"):  # without a declaration: one line naming replicated=, everywhere
+        for r in every:
+            assert r["undeclared"] == every[0]["undeclared"]
+            assert r["undeclared"].startswith("GclipValueError: ranks 0, 1, 2, 3 of 4: parameters[0].grad")
+            assert "replicated=" in r["undeclared"]
+    # torch's own get_total_norm on this rank (measured for docs/torch.md)
+    if layout in ("fsdp", "hsdp", "ddp", "fsdp_2d"):  # right (float32)
+        assert all(abs(r["torch"] - oracle) <= 1e-6 * oracle for r in every)
+    elif layout == "fsdp_tp":
+        assert all("must have the same mesh" in r["torch"] for r in every)
+    elif layout == "tp":  # the parameters TP leaves plain
+        assert all("mixed torch.Tensor and DTensor" in r["torch"] for r in every)
+    else:  # pp_fsdp, mesh (pp, dp): ranks 0-1 are stage 0, 2-3 stage 1; each clips by its own stage's norm
+        stage0, stage1 = every[0]["torch"], every[2]["torch"]
+        assert abs(stage0 - oracle) > 1e-3 * oracle and abs(stage1 - oracle) > 1e-3 * oracle
+        assert abs(stage0**2 + stage1**2 - oracle**2) <= 1e-5 * oracle**2
+    if layout == "fsdp":  # width 6 over 4 ranks: uneven shards, and rank 3's are empty
+        assert 0 in every[3]["local_counts"] and every[0]["local_counts"] != every[3]["local_counts"]
