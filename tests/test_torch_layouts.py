@@ -57,3 +57,25 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
         assert abs(stage0**2 + stage1**2 - oracle**2) <= 1e-5 * oracle**2
     if layout == "fsdp":  # width 6 over 4 ranks: uneven shards, and rank 3's are empty
         assert 0 in every[3]["local_counts"] and every[0]["local_counts"] != every[3]["local_counts"]
+
+
+def amp(recipe: str, tmp_path) -> list[dict]:
+    script = str(ROOT / "tests" / "torch_amp_check.py")
+    job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path)), env=job_env())
+    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf(tmp_path):
+    every = amp("agreed", tmp_path)
+    assert all(r["norm"] == float("inf") for r in every)
+    assert not any(r["stepped"] for r in every)
+    assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
+    assert all(r["same_as_replica"] for r in every)
+
+
+def test_scaler_step_alone_decides_per_rank_and_the_replicas_part(tmp_path):
+    """The case the recipe is for: GradScaler's own found_inf is not agreed across replicas."""
+    every = amp("local", tmp_path)
+    assert len({r["stepped"] for r in every}) == 2 and len({r["scale"] for r in every}) == 2
+    assert not all(r["same_as_replica"] for r in every)
