@@ -72,6 +72,7 @@ def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf
     assert not any(r["stepped"] for r in every)
     assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
     assert all(r["same_as_replica"] for r in every)
+    assert all(r["check_replicas"] == "" for r in every)
 
 
 def test_scaler_step_alone_decides_per_rank_and_the_replicas_part(tmp_path):
@@ -79,3 +80,8 @@ def test_scaler_step_alone_decides_per_rank_and_the_replicas_part(tmp_path):
     every = amp("local", tmp_path)
     assert len({r["stepped"] for r in every}) == 2 and len({r["scale"] for r in every}) == 2
     assert not all(r["same_as_replica"] for r in every)
+    # and check_replicas finds it, with the same one line on every rank
+    found = {r["check_replicas"] for r in every}
+    assert len(found) == 1
+    (line,) = found
+    assert line.startswith("GclipValueError: replicas of ") and "differ" in line and "group 0, 2" in line

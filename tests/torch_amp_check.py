@@ -8,7 +8,7 @@ by gclip's norm, the same on every rank); ``local``: scaler.step as usual, which
 decides from this rank's own gradients. After one step with an inf injected into
 rank 0's shard, each rank writes OUTDIR/rank<R>.json: whether its weights moved,
 its scale, and whether its shard equals its replica's (rank r and r + 2 hold the
-same shard).
+same shard), and what gclip.torch.check_replicas says of the parameters.
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ def main(recipe: str, outdir: str) -> None:
         "scale": scaler.get_scale(),
         "same_as_replica": theirs[rank] == theirs[peer],
     }
+    try:  # are the replicas still identical? (every rank raises the same error if not)
+        gt.check_replicas(model.parameters())
+        report["check_replicas"] = ""
+    except Exception as exc:  # noqa: BLE001 - reported
+        report["check_replicas"] = f"{type(exc).__name__}: {exc}"
     dist.destroy_process_group()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
 

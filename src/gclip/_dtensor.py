@@ -238,3 +238,61 @@ def _names_group(world: Any, mesh: Any, names: Any, where: str) -> layout.Group:
         raise GclipValueError(f"{where}: the mesh has ranks outside comm")
     me = dist.get_rank()
     return layout.Group(tuple(ranks[m] for m in members), members.index(me))
+
+
+# ---------------------------------------------------------------------------
+# who holds copies (check_replicas)
+
+
+def holders(
+    world: Any, tensors: Sequence[Any], entries: Sequence[Any], wheres: Sequence[str]
+) -> list[tuple[int, ...]]:
+    """For each tensor, the ranks of comm that hold identical copies of this rank's local
+    tensor (this rank alone for a shard), read as :func:`counting` reads them."""
+    if not hasattr(world, "ranks"):
+        raise GclipTypeError("check_replicas in gclip.torch takes a torch.distributed comm (or None)")
+    placed = [e for e in entries if isinstance(e, Placed)]
+    mesh = getattr(world, "mesh", None)
+    if mesh is None and placed:
+        mesh = _info(placed[0].mesh).root
+    spans: dict[int, set[int]] = {}
+    for e in placed:
+        info = _info(e.mesh)
+        spans.setdefault(id(info.root), set()).update(info.spanned)
+    me = dist.get_rank()
+    out: list[tuple[int, ...]] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, Placed):
+            out.append(tuple(sorted(world.ranks[r] for r in _copies_of(entry, spans))))
+        elif entry is None or entry is False:
+            if entry is None and world.size > 1:
+                raise undeclared_error(wheres[i], world.size)
+            out.append((world.ranks[me],))
+        elif entry is True:
+            out.append(tuple(range(world.size)))
+        elif _is_names(entry):
+            out.append(tuple(sorted(_names_group(world, mesh, entry, f"replicated[{i}]").members)))
+        else:
+            out.append(tuple(sorted(world.group(entry, i).members)))
+    return out
+
+
+def _copies_of(e: Placed, spans: dict[int, set[int]]) -> list[int]:
+    """The global ranks holding the same local tensor as this rank: along its mesh's Replicate
+    dimensions and along the root dimensions of copies."""
+    info = _info(e.mesh)
+    _owns_check = [p for p in e.placements if p.is_partial()]
+    if _owns_check:
+        raise GclipValueError(f"{e.where} is a Partial DTensor (not reduced yet)")
+    index: list[Any] = [slice(None) if p.is_replicate() else c for p, c in zip(e.placements, info.coord)]
+    same = {int(r) for r in e.mesh.mesh[tuple(index)].flatten().tolist()}
+    copies = spans[id(info.root)] - info.spanned
+    if e.declared not in (None, False):
+        copies.update(_dims(info.root, e.declared, e.where))
+    grid = info.root.mesh
+    out = set()
+    for r in same:
+        coord = (grid == r).nonzero()[0].tolist()
+        along: list[Any] = [slice(None) if d in copies else c for d, c in enumerate(coord)]
+        out.update(int(x) for x in grid[tuple(along)].flatten().tolist())
+    return sorted(out)

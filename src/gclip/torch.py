@@ -44,7 +44,7 @@ from . import _dtensor, _torch_partials, _validate, clip, engine, layout
 from .errors import GclipError, GclipTypeError, GclipValueError
 from .strategies import NormOp
 
-__all__ = ["FLOAT_DTYPES", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+__all__ = ["FLOAT_DTYPES", "check_replicas", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -490,3 +490,6 @@ def clip_grad_norm_(
     norm = _global_norm(world, call)
     _scale_(call.grads, call.spec.strategy.scale(norm, call.limit), foreach)
     return _norm_tensor(norm, call.grads)
+
+
+from ._torch_replicas import check_replicas  # noqa: E402 - it uses this module's readers
