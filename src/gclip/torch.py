@@ -12,10 +12,13 @@ and ``clip_grads_with_norm_``, plus gclip's keyword-only extras (``comm``,
 rank's partial, ONE all-reduce of a small header, the same scale on every
 rank, and any rank's bad input raised as the same error on every rank.
 
-- ``comm``: an mpi4py communicator or a ``torch.distributed`` ProcessGroup
-  (gloo; NCCL on GPUs). ``None``: the default torch.distributed group when it
-  is initialised, else MPI's COMM_WORLD (refused when MPI sees one rank but the
-  process was launched as one of several).
+- ``comm``: an mpi4py communicator, a ``torch.distributed`` ProcessGroup
+  (gloo; NCCL on GPUs) or a DeviceMesh. ``None``: the default torch.distributed
+  group when it is initialised, else MPI's COMM_WORLD (refused when MPI sees one
+  rank but the process was launched as one of several).
+- DTensor gradients (FSDP2, HSDP, tensor parallel, pipeline stages) are read
+  from their placements (``gclip._dtensor``): no declaration. Plain tensors on
+  more than one rank need ``replicated=`` (no silent default).
 - Partials are computed where each tensor lives (``gclip._torch_partials``):
   float64 accumulation in bounded chunks, one sync per device; only the
   header's few numbers cross to the host; the scale is applied on the device,
@@ -404,11 +407,13 @@ def get_total_norm(
     computed in bounded float64 chunks either way.
 
     Args:
-        comm: an mpi4py communicator or a torch.distributed ProcessGroup;
+        comm: an mpi4py communicator, a torch.distributed ProcessGroup or a DeviceMesh;
             None: the default torch.distributed group if initialised, else MPI COMM_WORLD.
-        replicated: one entry per tensor: False (a shard), True (the same on
-            every rank of comm), or the communicator / ProcessGroup of the ranks
-            that hold identical copies (it counts once; see ``gclip.layout``).
+        replicated: what plain tensors hold (DTensors: their placements say), one
+            entry per tensor or one for all: False (a shard), True (the same on
+            every rank of comm), the communicator / ProcessGroup of the ranks that
+            hold identical copies, or mesh dimension names (a copy counts once; see
+            ``gclip._dtensor``). Required for plain tensors on more than one rank.
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
     """
     world = _world(comm)
