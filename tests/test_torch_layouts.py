@@ -85,3 +85,22 @@ def test_scaler_step_alone_decides_per_rank_and_the_replicas_part(tmp_path):
     assert len(found) == 1
     (line,) = found
     assert line.startswith("GclipValueError: replicas of ") and "differ" in line and "group 0, 2" in line
+
+
+def test_the_fsdp_tp_example_matches_the_single_process_reference():
+    """examples/torch_fsdp_tp.py: 20 steps on mesh (dp=2, tp=2), torch's clip call unchanged."""
+    import sys
+
+    example = str(ROOT / "examples" / "torch_fsdp_tp.py")
+
+    def run(cmd: list[str]) -> dict:
+        job = run_job(cmd, env=job_env())
+        assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+        (line,) = [x for x in job.stdout.splitlines() if x.startswith("{")]  # rank 0 reports
+        return json.loads(line)
+
+    ref = run([sys.executable, example, "--reference", "--json", "--steps", "20"])
+    got = run(torchrun_cmd(RANKS, example, "--json", "--steps", "20"))
+    assert got["ranks"] == RANKS and len(got["losses"]) == len(ref["losses"]) == 20
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-5
+    assert sum(n > 0.5 for n in ref["norms"]) >= 10  # the clip is at work (MAX_NORM 0.5)
