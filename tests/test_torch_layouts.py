@@ -104,3 +104,15 @@ def test_the_fsdp_tp_example_matches_the_single_process_reference():
     assert got["ranks"] == RANKS and len(got["losses"]) == len(ref["losses"]) == 20
     assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-5
     assert sum(n > 0.5 for n in ref["norms"]) >= 10  # the clip is at work (MAX_NORM 0.5)
+
+
+def test_the_fsdp2_bench_times_both_clips_and_finds_the_same_norm():
+    """gclip.bench.fsdp (launched by torchrun): its own output, 2 ranks, GPT-2's embeddings alone."""
+    cmd = torchrun_cmd(2, "-m", "gclip.bench.fsdp", "--layers", "0", "--repeat", "2", "--json")
+    job = run_job(cmd, env=job_env())
+    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    (line,) = [x for x in job.stdout.splitlines() if x.startswith("{")]
+    out = json.loads(line)
+    assert out["ranks"] == 2 and out["values"] == (50257 + 1024) * 768 + 2 * 768
+    assert out["gclip_vs_torch"] == out["gclip_median_s"] / out["torch_median_s"]
+    assert abs(out["norm_gclip"] - out["norm_torch"]) <= 1e-3 * out["norm_gclip"]  # torch sums in float32
