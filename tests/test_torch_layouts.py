@@ -39,6 +39,8 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
         assert r["limit"] < r["norm"]  # the clip is at work
         assert abs(r["clipped"] - r["limit"]) <= 1e-6 * r["limit"]  # float32 gradients: rounded once each
         assert r["scaled_once"]
+        assert abs(r["explain_norm"] - oracle) <= 1e-12 * oracle  # explain's rows: each value once
+        assert abs(r["explain_shares"] - 1.0) <= 1e-12
     if layout in ("ddp", "tp", "fsdp_2d"):  # without a declaration: one line naming replicated=, everywhere
         for r in every:
             assert r["undeclared"] == every[0]["undeclared"]

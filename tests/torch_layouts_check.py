@@ -16,6 +16,8 @@ one backward, and writes OUTDIR/rank<R>.json with:
 - ``clipped``: the fsum norm of the full gradients after the clip;
 - ``scaled_once``: whether every full gradient is exactly its old value times
   the scale rounded toward zero to float32;
+- ``explain_norm``: the norm from ``gclip.torch.explain``'s rows (each tensor or
+  shard once), and ``explain_shares`` their shares' sum;
 - ``torch``: torch's own ``get_total_norm`` of the same gradients on this
   rank, or its error.
 
@@ -204,6 +206,10 @@ def main(layout: str, outdir: str) -> None:
         report["torch"] = float(mine.full_tensor() if hasattr(mine, "full_tensor") else mine)
     except Exception as exc:  # noqa: BLE001 - what torch's own clip does on this layout
         report["torch"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+    declared = {"ddp": True, "tp": True, "fsdp_2d": "tp"}.get(layout)
+    rows = gt.explain([p.grad for p in params], replicated=declared)  # who counts what, as the clip reads it
+    report["explain_norm"] = math.sqrt(math.fsum(row.power for row in rows))
+    report["explain_shares"] = math.fsum(row.share for row in rows)
     limit = oracle / 3
     if layout in ("ddp", "tp"):  # plain tensors (DDP's, those TP leaves alone) are refused without a
         # declaration, then declared as copies on every rank: True applies to the plain ones only

@@ -263,7 +263,7 @@ def holders(
     out: list[tuple[int, ...]] = []
     for i, entry in enumerate(entries):
         if isinstance(entry, Placed):
-            out.append(tuple(sorted(world.ranks[r] for r in _copies_of(entry, spans))))
+            out.append(tuple(world.ranks[r] for r in _copies_of(entry, spans)))
         elif entry is None or entry is False:
             if entry is None and world.size > 1:
                 raise undeclared_error(wheres[i], world.size)
@@ -271,15 +271,15 @@ def holders(
         elif entry is True:
             out.append(tuple(range(world.size)))
         elif _is_names(entry):
-            out.append(tuple(sorted(_names_group(world, mesh, entry, f"replicated[{i}]").members)))
+            out.append(_names_group(world, mesh, entry, f"replicated[{i}]").members)
         else:
-            out.append(tuple(sorted(world.group(entry, i).members)))
+            out.append(world.group(entry, i).members)
     return out
 
 
 def _copies_of(e: Placed, spans: dict[int, set[int]]) -> list[int]:
     """The global ranks holding the same local tensor as this rank: along its mesh's Replicate
-    dimensions and along the root dimensions of copies."""
+    dimensions and along the root dimensions of copies; first the one that counts it (coordinate 0)."""
     info = _info(e.mesh)
     _owns_check = [p for p in e.placements if p.is_partial()]
     if _owns_check:
@@ -290,9 +290,10 @@ def _copies_of(e: Placed, spans: dict[int, set[int]]) -> list[int]:
     if e.declared not in (None, False):
         copies.update(_dims(info.root, e.declared, e.where))
     grid = info.root.mesh
-    out = set()
+    out: dict[int, tuple[int, ...]] = {}
     for r in same:
         coord = (grid == r).nonzero()[0].tolist()
         along: list[Any] = [slice(None) if d in copies else c for d, c in enumerate(coord)]
-        out.update(int(x) for x in grid[tuple(along)].flatten().tolist())
-    return sorted(out)
+        for x in grid[tuple(along)].flatten().tolist():
+            out[int(x)] = tuple((grid == int(x)).nonzero()[0].tolist())
+    return sorted(out, key=out.__getitem__)  # by root coordinates: the one at 0 first

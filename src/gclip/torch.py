@@ -47,7 +47,14 @@ from . import _dtensor, _torch_partials, _validate, clip, engine, layout
 from .errors import GclipError, GclipTypeError, GclipValueError
 from .strategies import NormOp
 
-__all__ = ["FLOAT_DTYPES", "check_replicas", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_replicas",
+    "clip_grad_norm_",
+    "clip_grads_with_norm_",
+    "explain",
+    "get_total_norm",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -497,4 +504,4 @@ def clip_grad_norm_(
     return _norm_tensor(norm, call.grads)
 
 
-from ._torch_replicas import check_replicas  # noqa: E402 - it uses this module's readers
+from ._torch_replicas import check_replicas, explain  # noqa: E402 - it uses this module's readers
