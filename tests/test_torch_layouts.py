@@ -118,3 +118,21 @@ def test_the_fsdp2_bench_times_both_clips_and_finds_the_same_norm():
     assert out["ranks"] == 2 and out["values"] == (50257 + 1024) * 768 + 2 * 768
     assert out["gclip_vs_torch"] == out["gclip_median_s"] / out["torch_median_s"]
     assert abs(out["norm_gclip"] - out["norm_torch"]) <= 1e-3 * out["norm_gclip"]  # torch sums in float32
+
+
+def test_device_mesh_as_comm_dimension_names_and_the_refusals(tmp_path):
+    script = str(ROOT / "tests" / "torch_mesh_check.py")
+    job = run_job(torchrun_cmd(RANKS, script, str(tmp_path)), env=job_env())
+    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    oracle = every[0]["oracle"]
+    for r in every:
+        assert abs(r["alone"] - oracle) <= 1e-12 * oracle and r["listed"] == r["alone"]
+        assert "'pp' is not a dimension of the mesh (its dimensions: dp, tp)" in r["unknown_name"]
+        assert r["partial"].startswith(
+            "GclipValueError: ranks 0, 1, 2, 3 of 4: tensors[0] is a Partial DTensor"
+        )
+        assert r["nonfinite"].startswith("NonFiniteNormError:") and "rank 3" in r["nonfinite"]
+    assert every[0]["outside"] == every[1]["outside"] == ""
+    assert every[2]["outside"] == every[3]["outside"] != ""
+    assert "not in that process group" in every[2]["outside"]

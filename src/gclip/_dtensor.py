@@ -182,9 +182,13 @@ def counting(
     for e in placed:
         info = _info(e.mesh)
         spans.setdefault(id(info.root), set()).update(info.spanned)
+    decided: dict[tuple[int, tuple[Any, ...], str], bool] = {}  # models share few (mesh, placements)
     for i, entry in enumerate(entries):
         if isinstance(entry, Placed):
-            owned[i] = owned[i] and _owns(world, entry, spans)
+            key = (id(entry.mesh), entry.placements, repr(entry.declared))
+            if key not in decided:
+                decided[key] = _owns(world, entry, spans)
+            owned[i] = owned[i] and decided[key]
     return result._replace(owned=owned)
 
 
