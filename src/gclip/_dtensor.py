@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -170,7 +170,7 @@ def counting(
             plain.append(_names_group(world, mesh, entry, f"replicated[{i}]"))
         else:
             plain.append(world.group(entry, i))
-    result = layout.counting(plain, grads, rank=world.rank, size=world.size)
+    result = layout.counting(plain, cast(Any, grads), rank=world.rank, size=world.size)  # shapes, dtypes
     if not placed:
         return result
     if not hasattr(world, "ranks"):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _dtensor, _validate
-from .errors import GclipValueError
+from .errors import GclipTypeError, GclipValueError
 from .replicas import Row, _Record, _rows, diverged
 
 __all__ = ["check_replicas", "explain"]
@@ -35,9 +35,11 @@ def _gathered(
 ) -> tuple[Any, list[list[_Record]]]:
     """Every rank's records (name, shape, dtype, holders, slot, power, crc), errors agreed."""
     from . import _torch_partials
-    from .torch import _gradients, _world
+    from .torch import _gradients, _TorchGroup, _world
 
     world = _world(comm)
+    if not isinstance(world, _TorchGroup):  # the same on every rank: no collective yet
+        raise GclipTypeError("gclip.torch's explain and check_replicas take a torch group or DeviceMesh")
     records: list[_Record] = []
     error = None
     try:

@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def torch_clip() -> None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-        norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        getattr(norm, "full_tensor", lambda: norm)()  # the norm known on every rank, as gclip's is
 
     ours = gt.get_total_norm([p.grad for p in model.parameters()]).item()
-    theirs = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
+    theirs_norm: Any = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])  # a DTensor
+    theirs = theirs_norm.full_tensor().item()
     times = time_reps(_Barrier(dist), [("gclip", gclip), ("torch", torch_clip)], args.repeat)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, times)
