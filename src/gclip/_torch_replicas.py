@@ -12,7 +12,6 @@ tensor or shard (``gclip.replicas.Row``). Diagnostics, not for every step.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,21 +29,18 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else 0
 
 
-def _gathered(
-    tensors: Any, replicated: Any, names: Any, comm: Any, p: float
-) -> tuple[Any, list[list[_Record]]]:
-    """Every rank's records (name, shape, dtype, holders, slot, power, crc), errors agreed."""
-    from . import _torch_partials
-    from .torch import _gradients, _TorchGroup, _world
+def _gathered(world: Any, collect: Any, names: Any, p: float) -> list[list[_Record]]:
+    """Every rank's records (name, shape, dtype, holders, slot, power, crc), errors agreed.
 
-    world = _world(comm)
-    if not isinstance(world, _TorchGroup):  # the same on every rank: no collective yet
+    ``world`` is gclip.torch's communicator, ``collect()`` its reading of the tensors."""
+    from . import _torch_partials
+
+    if not hasattr(world, "process_group"):  # the same on every rank: no collective yet
         raise GclipTypeError("gclip.torch's explain and check_replicas take a torch group or DeviceMesh")
     records: list[_Record] = []
     error = None
     try:
-        given = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        got = _gradients(given, replicated, of_parameters=False)
+        got = collect()
         labels = list(names) if names is not None else got.wheres
         if len(labels) != len(got.tensors):
             raise GclipValueError(f"names has {len(labels)} entries for {len(got.tensors)} tensors")
@@ -64,44 +60,18 @@ def _gathered(
     bad = [(r, msg) for r, (msg, _) in enumerate(every) if msg is not None]
     if bad:
         raise GclipValueError(f"rank {bad[0][0]} of {world.size}: {bad[0][1]}")
-    return world, [recs for _, recs in every]
+    return [recs for _, recs in every]
 
 
-@torch.no_grad()
-def explain(
-    tensors: torch.Tensor | Iterable[torch.Tensor],
-    *,
-    replicated: Sequence[Any] | Any = None,
-    names: Sequence[str] | None = None,
-    comm: Any = None,
-    norm_type: float | str = 2.0,
-) -> list[Row]:
-    """Who counts what: one row per tensor (or shard), the same list on every rank.
-
-    As ``gclip.replicas.explain``, over a torch group or DeviceMesh: each row names the
-    tensor, its local shape and dtype, the ranks of comm holding it, the one that counts
-    it, and its share of the global norm**p.
-    """
+def explain(world: Any, collect: Any, names: Any, norm_type: Any) -> list[Row]:
+    """gclip.torch.explain's rows (see there)."""
     p = _validate.norm_type(norm_type)
-    _, per_rank = _gathered(tensors, replicated, names, comm, p)
-    return _rows(per_rank, p)
+    return _rows(_gathered(world, collect, names, p), p)
 
 
-@torch.no_grad()
-def check_replicas(
-    tensors: torch.Tensor | Iterable[torch.Tensor],
-    *,
-    replicated: Sequence[Any] | Any = None,
-    names: Sequence[str] | None = None,
-    comm: Any = None,
-) -> None:
-    """Check, bit for bit, that the copies of each tensor (parameters, gradients) agree.
-
-    ``tensors`` as gclip.torch's clip takes them (DTensors read by their placements);
-    ``replicated=`` as there, for plain tensors. Every rank raises the same one-line
-    GclipValueError naming the tensor and the ranks whose copy differs.
-    """
-    _, per_rank = _gathered(tensors, replicated, names, comm, 2.0)
+def check_replicas(world: Any, collect: Any, names: Any) -> None:
+    """gclip.torch.check_replicas (see there)."""
+    per_rank = _gathered(world, collect, names, 2.0)
     problem = diverged([[(r.name, r.members, r.slot, r.crc) for r in recs] for recs in per_rank])
     if problem:
         raise GclipValueError(problem)

@@ -43,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _dtensor, _torch_partials, _validate, clip, engine, layout
+from . import _dtensor, _torch_partials, _torch_replicas, _validate, clip, engine, layout
 from .errors import GclipError, GclipTypeError, GclipValueError
 from .strategies import NormOp
 
@@ -504,4 +504,45 @@ def clip_grad_norm_(
     return _norm_tensor(norm, call.grads)
 
 
-from ._torch_replicas import check_replicas, explain  # noqa: E402 - it uses this module's readers
+# ---------------------------------------------------------------------------
+# diagnostics: who counts what, and are copies still copies (gclip._torch_replicas)
+
+
+@torch.no_grad()
+def explain(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    *,
+    replicated: Any = None,
+    names: Sequence[str] | None = None,
+    comm: Any = None,
+    norm_type: float | str = 2.0,
+) -> list[Any]:
+    """Who counts what: one ``gclip.replicas.Row`` per tensor (or shard), the same list on every rank.
+
+    As ``gclip.replicas.explain``, over a torch group or DeviceMesh, read as the clip reads
+    the tensors (DTensor placements, ``replicated=`` for plain tensors): each row names the
+    tensor, its local shape and dtype, the ranks holding it, the one that counts it and its
+    share of the global norm**p. A diagnostic (it gathers every rank's list).
+    """
+    world = _world(comm)
+    collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    return _torch_replicas.explain(world, collect, names, norm_type)
+
+
+@torch.no_grad()
+def check_replicas(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    *,
+    replicated: Any = None,
+    names: Sequence[str] | None = None,
+    comm: Any = None,
+) -> None:
+    """Check, bit for bit, that the copies of each tensor (parameters, gradients) agree.
+
+    Over a torch group or DeviceMesh; who holds copies is read as the clip reads it. Every
+    rank raises the same one-line GclipValueError naming the tensor and the ranks whose copy
+    differs (a crc32 per tensor is gathered: a diagnostic, not for every step).
+    """
+    world = _world(comm)
+    collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    _torch_replicas.check_replicas(world, collect, names)
