@@ -357,6 +357,11 @@ def one_param(dtype=torch.float32, shape=(3,)):
         ),
         (
             lambda: gt.clip_grad_norm_([one_param()], 1.0, replicated=["x"], comm=ONE),
+            gclip.GclipValueError,
+            "replicated[0]: mesh dimension names need comm=DeviceMesh",
+        ),
+        (
+            lambda: gt.clip_grad_norm_([one_param()], 1.0, replicated=[3.5], comm=ONE),
             gclip.GclipTypeError,
             "replicated[0]",
         ),

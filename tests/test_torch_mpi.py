@@ -229,7 +229,7 @@ def test_bad_input_on_one_rank_is_the_same_error_on_every_rank(comm, world, bad)
     if comm.rank == last and bad == "overlap":
         flat = torch.zeros(20)
         grads += [flat[:10], flat[5:15]]  # two gradients sharing part of their memory
-    kind, message = raised(lambda: gt.get_total_norm(grads, comm=world.comm))
+    kind, message = raised(lambda: gt.get_total_norm(grads, comm=world.comm, replicated=False))
     every = comm.allgather((kind, message))
     expected_kind, words = BAD_INPUT[bad]
     same = all(e == every[0] for e in every)
@@ -242,7 +242,9 @@ def test_a_nonfinite_gradient_raises_on_every_rank_when_asked(comm, world):
     if comm.rank == comm.size - 1:
         mine.shards[2].grad.view(-1)[0] = math.inf
     kind, message = raised(
-        lambda: gt.clip_grad_norm_(mine.parameters(), 1.0, error_if_nonfinite=True, comm=world.comm)
+        lambda: gt.clip_grad_norm_(
+            mine.parameters(), 1.0, error_if_nonfinite=True, comm=world.comm, replicated=mine.entries(world)
+        )
     )
     ok = kind == "NonFiniteNormError" and f"non-finite values on rank {comm.size - 1}" in message
     agree(comm, ok, f"{world.kind}: {kind}: {message}")
@@ -269,3 +271,15 @@ def test_ranks_that_disagree_on_a_replicated_tensor_raise_together(comm, world):
 def test_core_api_refuses_a_torch_group_with_a_gclip_error(comm, gloo_world):
     kind, message = raised(lambda: gclip.global_norm([torch.ones(2).numpy()], comm=dist.group.WORLD))
     agree(comm, kind == "GclipTypeError" and "gclip.torch" in message, f"{kind}: {message}")
+
+
+def test_plain_tensors_without_a_declaration_are_refused_on_every_rank(comm, world):
+    """No default that would count every replica (DDP: sqrt(R) too large) or one rank's only."""
+    mine = held(comm.rank)
+    kind, message = raised(lambda: gt.clip_grad_norm_(mine.parameters(), 1.0, comm=world.comm))
+    every = comm.allgather((kind, message))
+    if comm.size == 1:
+        agree(comm, kind == "nothing", f"{world.kind}: one rank needs no declaration: {every}")
+        return
+    ok = all(e == every[0] for e in every) and kind == "GclipValueError" and "replicated=" in message
+    agree(comm, ok, f"{world.kind}: {every}")

@@ -57,21 +57,28 @@ def prepare(
     inplace: bool = False,
     reproducible: bool = False,
     error_if_nonfinite: bool = False,
+    counting: Callable[[Sequence[Any] | None, Sequence[Any]], engine.Counting] | None = None,
 ) -> Call:
     """Check every argument; an error is kept, to be agreed on by all ranks.
 
     The fingerprint that ranks compare holds the checked scalar values (1 and
     1.0 are the same limit); what each group of ranks holds in common is
-    checked by the layout's ring sums (see ``layout``).
+    checked by the layout's ring sums (see ``layout``). ``counting(entries, arrays)``
+    replaces ``layout.counting`` where a front end reads more than ``replicated=``
+    (gclip.torch: DTensor placements).
     """
     spec, limit = _FALLBACK_SPEC, math.nan  # kept if an argument is refused
     try:
         spec, limit = settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
         given, arrays, entries = collect()
-        counting = layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
+        counted = (
+            layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
+            if counting is None
+            else counting(entries, arrays)
+        )
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
         return Call(None, (), spec, limit, bool(error_if_nonfinite), inplace, engine.EVERY_ARRAY, exc)
-    return Call(given, arrays, spec, limit, bool(error_if_nonfinite), inplace, counting, None)
+    return Call(given, arrays, spec, limit, bool(error_if_nonfinite), inplace, counted, None)
 
 
 def entries_of(replicated: Any, what: str) -> Sequence[Any]:

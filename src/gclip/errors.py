@@ -34,8 +34,10 @@ class GclipTypeError(GclipError, TypeError):
     """A bad type (non-float array, nested lists...)."""
 
 
-class NonFiniteNormError(GclipError, FloatingPointError):
-    """The global norm is inf or NaN and ``error_if_nonfinite=True``."""
+class NonFiniteNormError(GclipError, FloatingPointError, RuntimeError):
+    """The global norm is inf or NaN and ``error_if_nonfinite=True``.
+
+    Also a RuntimeError: what torch's clip raises, so ``except RuntimeError`` catches both."""
 
 
 class AgreedError:

@@ -12,10 +12,13 @@ and ``clip_grads_with_norm_``, plus gclip's keyword-only extras (``comm``,
 rank's partial, ONE all-reduce of a small header, the same scale on every
 rank, and any rank's bad input raised as the same error on every rank.
 
-- ``comm``: an mpi4py communicator or a ``torch.distributed`` ProcessGroup
-  (gloo; NCCL on GPUs). ``None``: the default torch.distributed group when it
-  is initialised, else MPI's COMM_WORLD (refused when MPI sees one rank but the
-  process was launched as one of several).
+- ``comm``: an mpi4py communicator, a ``torch.distributed`` ProcessGroup
+  (gloo; NCCL on GPUs) or a DeviceMesh. ``None``: the default torch.distributed
+  group when it is initialised, else MPI's COMM_WORLD (refused when MPI sees one
+  rank but the process was launched as one of several).
+- DTensor gradients (FSDP2, HSDP, tensor parallel, pipeline stages) are read
+  from their placements (``gclip._dtensor``): no declaration. Plain tensors on
+  more than one rank need ``replicated=`` (no silent default).
 - Partials are computed where each tensor lives (``gclip._torch_partials``):
   float64 accumulation in bounded chunks, one sync per device; only the
   header's few numbers cross to the host; the scale is applied on the device,
@@ -39,10 +42,17 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _torch_partials, _validate, call, clip, engine, layout, policy
+from . import _dtensor, _torch_partials, _torch_replicas, _validate, call, clip, engine, layout, policy
 from .errors import GclipTypeError, GclipValueError
 
-__all__ = ["FLOAT_DTYPES", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_replicas",
+    "clip_grad_norm_",
+    "clip_grads_with_norm_",
+    "explain",
+    "get_total_norm",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -69,8 +79,9 @@ class _Mpi:
 class _TorchGroup:
     """A torch.distributed process group: the same program, its header all-reduced by torch."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, mesh: Any = None) -> None:
         self.process_group = group
+        self.mesh = mesh  # comm=DeviceMesh: replicated= may name its dimensions
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.ranks = {g: i for i, g in enumerate(_global_ranks(group))}  # global rank -> rank in group
         # NCCL reduces only tensors on the current CUDA device; gloo (or "cpu:gloo,cuda:nccl") on the CPU
@@ -127,6 +138,10 @@ def _world(comm: Any) -> _Mpi | _TorchGroup:
         return _Mpi(_mpi_world())
     if _is_process_group(comm):
         return _TorchGroup(comm)
+    if _dtensor.is_mesh(comm):
+        return _TorchGroup(_dtensor.mesh_group(comm), comm)
+    if dist.is_available() and comm is dist.GroupMember.NON_GROUP_MEMBER:
+        raise GclipValueError("comm: this rank is not in that process group (it got the non-member handle)")
     if hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce"):
         return _Mpi(comm)
     raise GclipTypeError(
@@ -163,8 +178,9 @@ def _checked(g: Any, where: str) -> torch.Tensor:
     if not isinstance(g, torch.Tensor):
         hint = " (named_parameters()? pass the parameters alone)" if isinstance(g, tuple) else ""
         raise GclipTypeError(f"{where} must be a tensor, got {type(g).__name__}{hint}")
-    if hasattr(g, "to_local"):
-        raise GclipTypeError(f"{where} is a DTensor: pass its local shard (.to_local()) and replicated=")
+    if _dtensor.is_dtensor(g):
+        _checked(_dtensor.local(g), where)  # its local tensor is what this rank holds and scales
+        return g
     if g.layout != torch.strided:
         raise GclipTypeError(f"{where} is a {g.layout} tensor; gclip clips dense tensors")
     if g.dtype not in FLOAT_DTYPES:
@@ -175,8 +191,9 @@ def _checked(g: Any, where: str) -> torch.Tensor:
 
 
 class _Gradients(NamedTuple):
-    tensors: list[torch.Tensor]  # each distinct gradient once
-    entries: list[Any] | None  # its replicated= entry (None: none given)
+    tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
+    entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
+    wheres: list[str]  # where it came from, for messages
 
 
 def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradients:
@@ -187,9 +204,12 @@ def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradient
     """
     name = "parameters" if of_parameters else "tensors"
     items = _as_list(items, name)
-    if replicated is not None:
-        if len(call.entries_of(replicated, name[:-1])) != len(items):
-            raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
+    alone = replicated is not None and not isinstance(replicated, (list, tuple))
+    if alone:  # one entry alone (True, False, a group, a name): for every plain tensor
+        replicated = [replicated] * len(items)
+    if replicated is not None and len(replicated) != len(items):
+        raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
+    placed: dict[tuple[int, str], Any] = {}  # a DTensor's one Placed entry, however often it is given
     picked: list[tuple[str, torch.Tensor, Any]] = []
     for i, item in enumerate(items):
         if of_parameters:
@@ -202,9 +222,22 @@ def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradient
             if item is None:
                 raise GclipTypeError(f"tensors[{i}] is None: pass only the gradients that exist")
             where, g = f"tensors[{i}]", item
-        picked.append((where, _checked(g, where), None if replicated is None else replicated[i]))
+        g, entry = _checked(g, where), None if replicated is None else replicated[i]
+        if _dtensor.is_dtensor(g):  # its placements say what it holds; an entry only adds copies
+            if alone and not _dtensor._is_names(entry):
+                entry = None
+            if entry is True or (entry is not None and entry is not False and not _dtensor._is_names(entry)):
+                raise GclipTypeError(
+                    f"{where} is a DTensor: its placements say what it holds; replicated= takes, for a "
+                    f"DTensor, only mesh dimension names of copies outside its mesh, got {entry!r}"
+                )
+            key = (id(g), repr(entry))
+            if key not in placed:
+                placed[key] = _dtensor.Placed(g.device_mesh, tuple(g.placements), entry, where)
+            g, entry = _dtensor.local(g), placed[key]
+        picked.append((where, g, entry))
     kept = _distinct(picked)
-    return _Gradients([g for _, g, _ in kept], None if replicated is None else [e for _, _, e in kept])
+    return _Gradients([g for _, g, _ in kept], [e for _, _, e in kept], [w for w, _, _ in kept])
 
 
 def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor, Any]]:
@@ -277,13 +310,19 @@ def _norm(
     """The checked call (through the call layer, ``gclip.call``) and the global norm of its gradients."""
     world = _world(comm)
 
-    def collect() -> call.Collected:
-        grads, entries = gradients()
-        if entries is not None:  # process groups -> the ranks of comm they hold
-            entries = [e if layout.is_flag(e) else world.group(e, i) for i, e in enumerate(entries)]
-        return grads, grads, entries
+    wheres: list[str] = []
 
-    checked = call.prepare(collect, max_norm, rank=world.rank, size=world.size, steps=steps, **settings)
+    def collect() -> call.Collected:
+        read = gradients()
+        wheres[:] = read.wheres
+        return read.tensors, read.tensors, read.entries
+
+    def counting(entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+        return _dtensor.counting(world, tensors, entries, wheres)  # placements, declarations, groups
+
+    checked = call.prepare(
+        collect, max_norm, rank=world.rank, size=world.size, steps=steps, counting=counting, **settings
+    )
     return checked, world.run(call.program(checked, world.rank, world.size, _torch_partials)).norm
 
 
@@ -346,11 +385,13 @@ def get_total_norm(
     computed in bounded float64 chunks either way.
 
     Args:
-        comm: an mpi4py communicator or a torch.distributed ProcessGroup;
+        comm: an mpi4py communicator, a torch.distributed ProcessGroup or a DeviceMesh;
             None: the default torch.distributed group if initialised, else MPI COMM_WORLD.
-        replicated: one entry per tensor: False (a shard), True (the same on
-            every rank of comm), or the communicator / ProcessGroup of the ranks
-            that hold identical copies (it counts once; see ``gclip.layout``).
+        replicated: what plain tensors hold (DTensors: their placements say), one
+            entry per tensor or one for all: False (a shard), True (the same on
+            every rank of comm), the communicator / ProcessGroup of the ranks that
+            hold identical copies, or mesh dimension names (a copy counts once; see
+            ``gclip._dtensor``). Required for plain tensors on more than one rank.
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
     """
     checked, norm = _norm(
@@ -379,7 +420,7 @@ def clip_grads_with_norm_(
     communication; pass the global norm from :func:`get_total_norm`.
     """
     scale = clip.clip_scale(total_norm, max_norm)
-    grads, _ = _gradients(parameters, None, of_parameters=True)
+    grads = _gradients(parameters, None, of_parameters=True).tensors
     _scale_(grads, scale, foreach)
 
 
@@ -445,3 +486,47 @@ def clip_grad_norm_by(
     checked, norm = _norm(comm, gradients, max_norm, steps, **settings)
     _scale_(checked.arrays, checked.spec.steps.scale(norm, checked.limit), foreach)
     return _norm_tensor(norm, checked.arrays)
+
+
+# ---------------------------------------------------------------------------
+# diagnostics: who counts what, and are copies still copies (gclip._torch_replicas)
+
+
+@torch.no_grad()
+def explain(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    *,
+    replicated: Any = None,
+    names: Sequence[str] | None = None,
+    comm: Any = None,
+    norm_type: float | str = 2.0,
+) -> list[Any]:
+    """Who counts what: one ``gclip.replicas.Row`` per tensor (or shard), the same list on every rank.
+
+    As ``gclip.replicas.explain``, over a torch group or DeviceMesh, read as the clip reads
+    the tensors (DTensor placements, ``replicated=`` for plain tensors): each row names the
+    tensor, its local shape and dtype, the ranks holding it, the one that counts it and its
+    share of the global norm**p. A diagnostic (it gathers every rank's list).
+    """
+    world = _world(comm)
+    collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    return _torch_replicas.explain(world, collect, names, norm_type)
+
+
+@torch.no_grad()
+def check_replicas(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    *,
+    replicated: Any = None,
+    names: Sequence[str] | None = None,
+    comm: Any = None,
+) -> None:
+    """Check, bit for bit, that the copies of each tensor (parameters, gradients) agree.
+
+    Over a torch group or DeviceMesh; who holds copies is read as the clip reads it. Every
+    rank raises the same one-line GclipValueError naming the tensor and the ranks whose copy
+    differs (a crc32 per tensor is gathered: a diagnostic, not for every step).
+    """
+    world = _world(comm)
+    collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    _torch_replicas.check_replicas(world, collect, names)

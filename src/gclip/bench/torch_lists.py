@@ -54,7 +54,9 @@ def _ops(torch_ctx: Any, params: list, norm: Norm, active: bool) -> list[tuple[s
 
     def gclip(reproducible: bool) -> Callable[[], None]:
         def run() -> None:
-            total = gclip_torch.clip_grad_norm_(params, limit(), comm=group, reproducible=reproducible)
+            total = gclip_torch.clip_grad_norm_(
+                params, limit(), comm=group, replicated=False, reproducible=reproducible
+            )
             if active:
                 norm.value = float(total) * min(1.0, limit() / float(total))
 
@@ -85,7 +87,9 @@ def bench_torch_list(comm: Any, torch_ctx: Any, names: list[str], repeat: int | 
         params = _params(torch_ctx.torch, workload, comm.Get_rank())
         for active in (False, True):
             grads = [p.grad for p in params]
-            norm = Norm(float(gclip_torch.get_total_norm(grads, comm=torch_ctx.dist.group.WORLD)))
+            norm = Norm(
+                float(gclip_torch.get_total_norm(grads, comm=torch_ctx.dist.group.WORLD, replicated=False))
+            )
             times = time_reps(comm, _ops(torch_ctx, params, norm, active), repeat or workload.repeat)
             every = comm.gather(times, root=0)
             if every is not None:
