@@ -115,3 +115,15 @@ def test_float32_kernel_counts_every_element_once(kernels, n):
 
 def test_kernels_can_be_switched_off(numpy_only):
     assert numpy_only(_kernels.get) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_reproducible_norm_with_an_empty_array_among_many(kernels, dtype):
+    """20 arrays and an empty one go through the compiled table in one call; the empty one
+    adds nothing and is never read (the boundscheck rerun below catches a read past its end)."""
+    rng = np.random.default_rng(21)
+    arrays = [rng.normal(size=100).astype(dtype) for _ in range(20)] + [np.zeros(0, dtype)]
+    norm = gclip.global_norm(arrays, reproducible=True)
+    exact = sum((exact_power_sum(a, 2) for a in arrays), Fraction(0))
+    assert norm == pytest.approx(math.sqrt(exact), rel=1e-15)
+    assert gclip.global_norm([np.zeros(0, dtype)] * 20, reproducible=True) == 0.0

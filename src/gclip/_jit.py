@@ -307,6 +307,8 @@ def _block_top(y, p, width):
 
 @jit
 def _absmax(y):
+    if y.size == 0:  # never read y[0] of an empty view
+        return absbits(y.dtype.type(0.0))
     m = absbits(y[0])
     for i in range(1, y.size):
         m = umax(m, absbits(y[i]))
@@ -402,6 +404,8 @@ def digits(x, p, counts, width, bin_lo, block):
     # block's fold loop, where its loads overlap the arithmetic), then the three folds
     special = 0.0
     n = x.size
+    if n == 0:  # nothing to read, not even the first block's max
+        return special
     t, m = _block_top(x[:block], p, width)
     for start in range(0, n, block):
         y = x[start : start + block]
