@@ -475,3 +475,6 @@ def clip_grad_norm_(
     norm = _global_norm(world, call)
     _scale_(call.grads, call.spec.strategy.scale(norm, call.limit), foreach)
     return _norm_tensor(norm, call.grads)
+
+
+from .torch_fused import clip_step  # noqa: E402,F401 - the clip folded into fused optimizers' step
