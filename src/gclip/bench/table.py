@@ -12,6 +12,7 @@ __all__ = [
     "fmt_n",
     "fmt_t",
     "format_lists",
+    "format_steps",
     "format_table",
     "format_torch_lists",
 ]
@@ -115,6 +116,9 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("torch_lists"):
         out.append("gclip.torch on torch parameters, per rank (gloo group; slowest rank, median):")
         out.append(format_torch_lists(result["torch_lists"]))
+    if result.get("steps"):
+        out.append("what clipping adds to a fused AdamW step, per rank (gloo group; slowest rank, median):")
+        out.append(format_steps(result["steps"]))
     misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:
         out.append(f"warning: {misses} active rep(s) did not clip (see 'misses' in the JSON)")
@@ -163,4 +167,14 @@ def format_torch_lists(rows: list[dict]) -> str:
         line += [fmt_t(g["median_s"]), fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}"]
         line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"] if p else ["-", "-"]
         lines.append(line)
+    return columns(lines)
+
+
+def format_steps(rows: list[dict]) -> str:
+    """The optimizer-step rows: each time, what it adds to its floor, gclip's added time over torch's."""
+    lines = [["workload", "ranks", "impl", "time", "adds", "adds/torch"]]
+    for r in rows:
+        adds = f"{r['adds_s'] * 1e3:.3g} ms" if "adds_s" in r else "-"
+        ratio = f"{r['vs_torch']:.2f}" if "vs_torch" in r else "-"
+        lines.append([r["workload"], str(r["ranks"]), r["impl"], fmt_t(r["median_s"]), adds, ratio])
     return columns(lines)
