@@ -81,3 +81,18 @@ def _ops_agree(dist) -> None:
         assert torch.allclose(after[name], want, rtol=1e-5, atol=0), name
     for name in ("torch-clip+step", "gclip-folded+step", "torch-amp-clip+step", "gclip-folded-amp+step"):
         assert torch.allclose(after[name], 0.5 * want, rtol=1e-4, atol=0), name  # torch: + 1e-6 on the norm
+
+
+def test_first_call_memory_is_measured_in_a_fresh_process():
+    """The one-time cost: numba imported in the child, its peak RSS grown by more than the second
+    call's (the copy clip_simulated returns is in both), by less than a gigabyte."""
+    from gclip import _kernels
+    from gclip.bench import memory
+
+    if _kernels.get() is None:
+        pytest.skip("numba is not installed here, or GCLIP_KERNELS=0")
+    got = memory.first_call_memory()
+    if got is None:
+        pytest.skip("peak RSS is not readable here (/proc/self/clear_refs)")
+    assert got["numba_loaded"] is True
+    assert 1 << 20 < got["default"] < 1 << 30

@@ -11,7 +11,7 @@ from typing import Any
 from .._lab.cli import rank_size
 from .collectives import collective_counts
 from .lists import bench_list
-from .memory import check_memory, measure_memory
+from .memory import check_memory, first_call_memory, measure_memory
 from .ops import bench_case, torch_setup, torch_teardown
 from .options import PROG, THREAD_VARS, threads
 from .step import bench_step
@@ -138,6 +138,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "lists": lists,
         "torch_lists": torch_lists,
         "steps": steps,
+        "first_call": None if args.quick else first_call_memory(),
         "targets": targets(rows, memory, collectives, ar, lists),
         "seconds": time.perf_counter() - start,
         "load_average": {"start": load_start, "end": _load()},

@@ -116,6 +116,14 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("torch_lists"):
         out.append("gclip.torch on torch parameters, per rank (gloo group; slowest rank, median):")
         out.append(format_torch_lists(result["torch_lists"]))
+    first = result.get("first_call")
+    if first:
+        out.append(
+            "one-time peak RSS growth of a fresh process's first clip of 1e7 float32: "
+            f"{fmt_bytes(first['default'])}"
+            f" (numba and the kernels loaded: {first['numba_loaded']}); reproducible's first call adds"
+            f" {fmt_bytes(first['reproducible'])}"
+        )
     if result.get("steps"):
         out.append("what clipping adds to a fused AdamW step, per rank (gloo group; slowest rank, median):")
         out.append(format_steps(result["steps"]))
