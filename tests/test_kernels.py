@@ -157,3 +157,14 @@ def test_the_interface_table_reads_what_the_header_reads_give(kernels, monkeypat
     want = gclip.global_norm(x)
     monkeypatch.setenv("GCLIP_RAW_HEADERS", "0")
     assert gclip.global_norm(x) == want == pytest.approx(math.sqrt(2000 * 0.25), rel=1e-15)
+
+
+def test_no_llvm_intrinsic_is_named_for_typed_pointers():
+    """llvmlite names the overloaded intrinsics (declare_intrinsic) for its own pointer mode: none
+    is spelt with a typed-pointer suffix such as .p0i8, which opaque-pointer LLVMs do not define."""
+    import re
+    from pathlib import Path
+
+    source = (Path(gclip.__file__).parent / "_jit.py").read_text()
+    assert not re.findall(r"\"llvm\.[\w.]*\.p\d+[a-z]+\d*\"", source)
+    assert "get_or_insert_function" not in source  # every intrinsic goes through declare_intrinsic
