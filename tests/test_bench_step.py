@@ -96,3 +96,33 @@ def test_first_call_memory_is_measured_in_a_fresh_process():
         pytest.skip("peak RSS is not readable here (/proc/self/clear_refs)")
     assert got["numba_loaded"] is True
     assert 1 << 20 < got["default"] < 1 << 30
+
+
+def test_step_targets_read_the_step_rows():
+    from gclip.bench import targets
+
+    rows = [
+        {
+            "workload": "gpt2-small-step",
+            "impl": "gclip-folded+step",
+            "vs_torch": 0.35,
+            "adds_s": 0.02,
+            "ranks": 1,
+        },
+        {
+            "workload": "gpt2-small-step",
+            "impl": "gclip-folded-amp+step",
+            "vs_torch": 0.35,
+            "adds_s": 0.02,
+            "ranks": 1,
+        },
+    ]
+    counts = {
+        "default_active": {"total": 1, "pickle_based": 0},
+        "layout_flag": {"total": 1, "pickle_based": 0},
+        "layout_communicator": {"total": 1, "pickle_based": 0},
+    }
+    got = {t["name"]: t for t in targets.targets([], [], counts, 1e-6, (), rows)}
+    assert got["gpt2-small-step: what gclip-folded+step adds / what torch's adds"]["ok"] is True  # limit 0.4
+    assert got["gpt2-small-step: what gclip-folded-amp+step adds / what torch's adds"]["ok"] is False  # 0.3
+    assert not any("bf16" in name for name in got)  # not measured: left out

@@ -139,7 +139,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "torch_lists": torch_lists,
         "steps": steps,
         "first_call": None if args.quick else first_call_memory(),
-        "targets": targets(rows, memory, collectives, ar, lists),
+        "targets": targets(rows, memory, collectives, ar, lists, steps),
         "seconds": time.perf_counter() - start,
         "load_average": {"start": load_start, "end": _load()},
     }

@@ -51,6 +51,7 @@ class Measured(NamedTuple):
     collectives: dict[str, Any]
     allreduce_s: float
     lists: list[dict] | tuple = ()  # the list workloads' rows
+    steps: list[dict] | tuple = ()  # the optimizer-step rows
 
 
 class Reading(NamedTuple):
@@ -86,6 +87,19 @@ def repro_vs_default(n: int, dtype: str, active: bool) -> Callable[[Measured], R
     def read(m: Measured) -> Reading | None:
         row = find_row(m.rows, n, dtype, active, "gclip-repro")
         return None if row is None else Reading(row["vs_default"])
+
+    return read
+
+
+def step_vs_torch(workload: str, impl: str) -> Callable[[Measured], Reading | None]:
+    """What gclip's folded clip adds to a fused AdamW step, over what torch's clip adds."""
+
+    def read(m: Measured) -> Reading | None:
+        got = [r for r in m.steps if r["workload"] == workload and r["impl"] == impl and "vs_torch" in r]
+        if not got:
+            return None
+        r = got[0]
+        return Reading(r["vs_torch"], f"{r['ranks']} rank(s); adds {r['adds_s'] * 1e3:.3g} ms")
 
     return read
 
@@ -175,7 +189,7 @@ TARGETS: tuple[Target, ...] = (
     *(
         Target(
             f"{dtype} 1e7 {'active' if active else 'inactive'}: reproducible / default",
-            2.0,
+            1.3 if dtype == "float64" else 1.5,
             AT_MOST,
             repro_vs_default(10**7, dtype, active),
         )
@@ -187,6 +201,13 @@ TARGETS: tuple[Target, ...] = (
         for name, limit in (("gpt2-small", 0.6), ("tiny", 0.3))
         for active in (False, True)
         for read in (list_vs_torch(name, active),)
+    ),
+    *(
+        Target(
+            f"{workload}: what {impl} adds / what torch's adds", limit, AT_MOST, step_vs_torch(workload, impl)
+        )
+        for workload in ("gpt2-small-step", "gpt2-small-step-bf16")
+        for impl, limit in (("gclip-folded+step", 0.4), ("gclip-folded-amp+step", 0.3))
     ),
     Target("1e4 float64 step: share of one Allreduce", 0.5, AT_LEAST, allreduce_share(10**4)),
     Target("peak extra memory / shard, default, n >= 1e6", 0.05, AT_MOST, worst_memory("default", 10**6)),
@@ -220,6 +241,7 @@ def targets(
     collectives: dict,
     allreduce_s: float,
     lists: list[dict] | tuple = (),
+    steps: list[dict] | tuple = (),
 ) -> list[dict]:
     """The performance targets of one run, each with its measured value and a verdict."""
-    return evaluate(Measured(rows, memory, collectives, allreduce_s, lists))
+    return evaluate(Measured(rows, memory, collectives, allreduce_s, lists, steps))
