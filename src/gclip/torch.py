@@ -477,4 +477,6 @@ def clip_grad_norm_(
     return _norm_tensor(norm, call.grads)
 
 
-from .torch_fused import clip_step  # noqa: E402,F401 - the clip folded into fused optimizers' step
+from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
+
+clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)

@@ -25,9 +25,10 @@ See docs/performance.md for what it saves and docs/torch.md for the API.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 
 from .clip import clip_scale
 
-__all__ = ["clip_step"]
+__all__ = ["make_clip_step"]
 
 _FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _warned: set[type] = set()  # optimizer types already told they have no fused path
@@ -92,8 +93,22 @@ def _loss_scale(scaler: Any, optimizer: torch.optim.Optimizer) -> float:
     return float(scaler.get_scale())
 
 
+def make_clip_step(
+    get_total_norm: Callable[..., torch.Tensor], clip_grads_with_norm_: Callable[..., None]
+) -> Any:
+    """gclip.torch's ``clip_step``, over gclip.torch's own norm and in-place clip (given here, so
+    this module never imports gclip.torch, which exports the result)."""
+
+    @functools.wraps(_clip_step)
+    def clip_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return _clip_step(*args, **kwargs, _norm=get_total_norm, _clip=clip_grads_with_norm_)
+
+    clip_step.__name__ = clip_step.__qualname__ = "clip_step"
+    return clip_step
+
+
 @torch.no_grad()
-def clip_step(
+def _clip_step(
     optimizer: torch.optim.Optimizer,
     max_norm: float,
     *,
@@ -103,6 +118,8 @@ def clip_step(
     comm: Any = None,
     replicated: Sequence[Any] | None = None,
     reproducible: bool = False,
+    _norm: Callable[..., torch.Tensor],
+    _clip: Callable[..., None],
 ) -> torch.Tensor:
     """Clip the optimizer's gradients by their GLOBAL norm and step, the clip folded into the step.
 
@@ -127,8 +144,6 @@ def clip_step(
         The global norm of the (unscaled) gradients before clipping: a float64 0-d tensor on the
         first gradient's device, the same on every rank.
     """
-    from .torch import clip_grads_with_norm_, get_total_norm
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if replicated is not None and len(replicated) != len(params):
         raise ValueError(
@@ -139,7 +154,7 @@ def clip_step(
     entries = None if replicated is None else [replicated[i] for i in have]
     loss_scale = _loss_scale(scaler, optimizer)
     amp = scaler is not None and scaler.is_enabled()
-    norm_t = get_total_norm(
+    norm_t = _norm(
         grads,
         norm_type,
         error_if_nonfinite and not amp,  # with a scaler, an inf is a skip, not an error
@@ -179,7 +194,7 @@ def clip_step(
                 stacklevel=3,
             )
         if not amp:
-            clip_grads_with_norm_([params[i] for i in have], max_norm, norm)
+            _clip([params[i] for i in have], max_norm, norm)
             optimizer.step()
         elif finite:
             factor = _float32_down(coef / loss_scale)
