@@ -126,3 +126,6 @@ def test_step_targets_read_the_step_rows():
     assert got["gpt2-small-step: what gclip-folded+step adds / what torch's adds"]["ok"] is True  # limit 0.4
     assert got["gpt2-small-step: what gclip-folded-amp+step adds / what torch's adds"]["ok"] is False  # 0.3
     assert not any("bf16" in name for name in got)  # not measured: left out
+    rows[0] |= {"vs_torch": -0.5, "adds_s": -0.01}  # faster than the step alone: noise
+    got = {t["name"]: t for t in targets.targets([], [], counts, 1e-6, (), rows)}
+    assert got["gpt2-small-step: what gclip-folded+step adds / what torch's adds"]["ok"] is False

@@ -99,7 +99,9 @@ def step_vs_torch(workload: str, impl: str) -> Callable[[Measured], Reading | No
         if not got:
             return None
         r = got[0]
-        return Reading(r["vs_torch"], f"{r['ranks']} rank(s); adds {r['adds_s'] * 1e3:.3g} ms")
+        sound = r["adds_s"] > 0 and r["vs_torch"] > 0  # a step faster than its floor is noise, not a win
+        note = f"{r['ranks']} rank(s); adds {r['adds_s'] * 1e3:.3g} ms"
+        return Reading(r["vs_torch"], note if sound else note + "; below the floor: noise", sound)
 
     return read
 
