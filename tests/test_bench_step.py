@@ -17,14 +17,18 @@ def test_step_rows_by_hand():
     assert wl.dtype == "bfloat16" and wl.shapes == workloads.GPT2_SMALL
     ms = {"step": 100, "torch-clip+step": 160, "gclip-folded+step": 120}
     ms |= {"amp-step": 110, "torch-amp-clip+step": 210, "gclip-folded-amp+step": 130}
-    rank0 = {k: [v * 1e-3, 1.0] for k, v in ms.items()}  # the slowest rank per rep counts
-    rank1 = {k: [0.0, v * 1e-3] for k, v in ms.items()}
+    # (wall, CPU) per rep; the slowest rank per rep counts, in each
+    rank0 = {k: [(v * 1e-3, v * 1e-3), (1.0, 0.0)] for k, v in ms.items()}
+    rank1 = {k: [(0.0, 0.0), (v * 1e-3, 0.5 * v * 1e-3)] for k, v in ms.items()}
     rows = {r["impl"]: r for r in step._rows(wl, [rank0, rank1])}
     # per rep the slower rank: (v, 1.0), so each median is (v + 1) / 2 and the added times halve
     assert rows["gclip-folded+step"]["adds_s"] == pytest.approx(0.01)
     assert rows["gclip-folded+step"]["vs_torch"] == pytest.approx(20 / 60)
     assert rows["gclip-folded-amp+step"]["vs_torch"] == pytest.approx(20 / 100)
     assert rows["step"]["ranks"] == 2 and "adds_s" not in rows["step"]
+    # CPU: per rep the busier rank, (v, v/2): medians 3v/4, the same ratios
+    assert rows["gclip-folded+step"]["cpu_adds_s"] == pytest.approx(0.015)
+    assert rows["gclip-folded-amp+step"]["cpu_vs_torch"] == pytest.approx(20 / 100)
     text = table.format_steps(list(rows.values()))
     assert "0.33" in text and "0.20" in text and "gpt2-small-step-bf16" in text
     assert options.parse_lists("gpt2-small-step,gpt2-small-step-bf16") == [

@@ -18,7 +18,9 @@ and the same with a ``GradScaler`` (the gradients hold the scaled values):
 
 Before each timed call the gradients are restored from a saved copy (untimed), so every call
 sees the same gradients whatever the previous one did to them. ``adds`` is a row's time minus
-its floor's (``step`` or ``amp-step``); ``vs_torch`` is gclip's ``adds`` over torch's.
+its floor's (``step`` or ``amp-step``); ``vs_torch`` is gclip's ``adds`` over torch's. The same in
+the calling thread's CPU time (``cpu_*``: torch runs one thread), which a busy machine disturbs less:
+a moment another process holds the core does not count.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ def _ops(
 
 
 def _time(comm: Any, torch: Any, params: list, saved: list, ops: list, repeat: int) -> dict[str, list]:
-    from time import perf_counter
+    """Per op: [(wall seconds, this thread's CPU seconds)] per rep. torch runs one thread here, so
+    the CPU time is the op's own work, less the moments another process held the core."""
+    from time import perf_counter, thread_time
 
     times: dict[str, list] = {name: [] for name, _, _ in ops}
     k = len(ops)
@@ -116,11 +120,11 @@ def _time(comm: Any, torch: Any, params: list, saved: list, ops: list, repeat: i
                 if amp:
                     torch._foreach_mul_([p.grad for p in params], LOSS_SCALE)
                 comm.Barrier()
-                t0 = perf_counter()
+                t0, c0 = perf_counter(), thread_time()
                 op()
-                t = perf_counter() - t0
+                t, c = perf_counter() - t0, thread_time() - c0
                 if rep:
-                    times[name].append(t)
+                    times[name].append((t, c))
     return times
 
 
@@ -146,7 +150,13 @@ def bench_step(comm: Any, torch_ctx: Any, names: list[str], repeat: int | None) 
 
 
 def _rows(workload: ListWorkload, every: list[dict[str, list]]) -> list[dict]:
-    reps = {name: [max(r[name][i] for r in every) for i in range(len(every[0][name]))] for name in every[0]}
+    """Per rep the slowest rank (wall) and the busiest (CPU); medians; what each clip adds to its
+    floor, and gclip's added time over torch's, in wall time and in CPU time."""
+    count = len(every[0]["step"])
+    reps = {name: [max(r[name][i][0] for r in every) for i in range(count)] for name in every[0]}
+    cpu = {
+        name: statistics.median(max(r[name][i][1] for r in every) for i in range(count)) for name in every[0]
+    }
     med = {name: statistics.median(t) for name, t in reps.items()}
     floors = {"torch-clip+step": "step", "gclip-folded+step": "step"}
     floors |= {"torch-amp-clip+step": "amp-step", "gclip-folded-amp+step": "amp-step"}
@@ -155,10 +165,14 @@ def _rows(workload: ListWorkload, every: list[dict[str, list]]) -> list[dict]:
     for name, t in reps.items():
         row = base_row(workload, True, name, {"median_s": med[name], "min_s": min(t), "reps": len(t)})
         row["ranks"] = len(every)
+        row["cpu_median_s"] = cpu[name]
         if name in floors:
             row["adds_s"] = med[name] - med[floors[name]]
+            row["cpu_adds_s"] = cpu[name] - cpu[floors[name]]
         if name in peer:
             torch_adds = med[peer[name]] - med[floors[peer[name]]]
             row["vs_torch"] = row["adds_s"] / torch_adds if torch_adds > 0 else float("nan")
+            torch_cpu = cpu[peer[name]] - cpu[floors[peer[name]]]
+            row["cpu_vs_torch"] = row["cpu_adds_s"] / torch_cpu if torch_cpu > 0 else float("nan")
         rows.append(row)
     return rows

@@ -180,9 +180,14 @@ def format_torch_lists(rows: list[dict]) -> str:
 
 def format_steps(rows: list[dict]) -> str:
     """The optimizer-step rows: each time, what it adds to its floor, gclip's added time over torch's."""
-    lines = [["workload", "ranks", "impl", "time", "adds", "adds/torch"]]
+    lines = [["workload", "ranks", "impl", "time", "adds", "adds/torch", "cpu", "cpu adds", "cpu adds/torch"]]
     for r in rows:
-        adds = f"{r['adds_s'] * 1e3:.3g} ms" if "adds_s" in r else "-"
-        ratio = f"{r['vs_torch']:.2f}" if "vs_torch" in r else "-"
-        lines.append([r["workload"], str(r["ranks"]), r["impl"], fmt_t(r["median_s"]), adds, ratio])
+        line = [r["workload"], str(r["ranks"]), r["impl"], fmt_t(r["median_s"])]
+        line += [f"{r['adds_s'] * 1e3:.3g} ms" if "adds_s" in r else "-"]
+        line += [f"{r['vs_torch']:.2f}" if "vs_torch" in r else "-"]
+        if "cpu_median_s" in r:
+            line += [fmt_t(r["cpu_median_s"])]
+            line += [f"{r['cpu_adds_s'] * 1e3:.3g} ms" if "cpu_adds_s" in r else "-"]
+            line += [f"{r['cpu_vs_torch']:.2f}" if "cpu_vs_torch" in r else "-"]
+        lines.append(line)
     return columns(lines)

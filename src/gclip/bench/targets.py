@@ -101,6 +101,8 @@ def step_vs_torch(workload: str, impl: str) -> Callable[[Measured], Reading | No
         r = got[0]
         sound = r["adds_s"] > 0 and r["vs_torch"] > 0  # a step faster than its floor is noise, not a win
         note = f"{r['ranks']} rank(s); adds {r['adds_s'] * 1e3:.3g} ms"
+        if "cpu_vs_torch" in r:
+            note += f"; in CPU time {r['cpu_vs_torch']:.2f}"
         return Reading(r["vs_torch"], note if sound else note + "; below the floor: noise", sound)
 
     return read
