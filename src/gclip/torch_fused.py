@@ -138,7 +138,8 @@ def _clip_step(
             backs the scale off.
         norm_type, error_if_nonfinite, comm, replicated, reproducible: as in
             ``gclip.torch.clip_grad_norm_`` (one replicated entry per parameter of the optimizer,
-            in its param_groups' order).
+            in its param_groups' order). With an enabled scaler a non-finite norm is a skipped
+            step, never an error: ``error_if_nonfinite`` applies without one.
 
     Returns:
         The global norm of the (unscaled) gradients before clipping: a float64 0-d tensor on the
