@@ -87,7 +87,7 @@ def test_list_targets_read_the_rows():
 def test_reproducible_and_layout_targets():
     rows = [
         {"n": 10**7, "dtype": "float32", "active": False, "impl": "gclip-repro", "vs_default": 2.4},
-        {"n": 10**7, "dtype": "float64", "active": False, "impl": "gclip-repro", "vs_default": 1.5},
+        {"n": 10**7, "dtype": "float64", "active": False, "impl": "gclip-repro", "vs_default": 1.25},
     ]
     counts = {
         "default_active": {"total": 1, "pickle_based": 0},
@@ -95,7 +95,7 @@ def test_reproducible_and_layout_targets():
         "layout_communicator": {"total": 2, "pickle_based": 0},
     }
     got = {t["name"]: t for t in targets.targets(rows, [], counts, 1e-6)}
-    assert got["float32 1e7 inactive: reproducible / default"]["ok"] is False
+    assert got["float32 1e7 inactive: reproducible / default"]["ok"] is False  # limit 1.5
     assert got["float64 1e7 inactive: reproducible / default"]["ok"] is True
     assert got["collectives per clip with a replicated array"]["value"] == 2
     assert got["collectives per clip with a replicated array"]["ok"] is False

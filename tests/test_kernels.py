@@ -115,3 +115,56 @@ def test_float32_kernel_counts_every_element_once(kernels, n):
 
 def test_kernels_can_be_switched_off(numpy_only):
     assert numpy_only(_kernels.get) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_reproducible_norm_with_an_empty_array_among_many(kernels, dtype):
+    """20 arrays and an empty one go through the compiled table in one call; the empty one
+    adds nothing and is never read (the boundscheck rerun below catches a read past its end)."""
+    rng = np.random.default_rng(21)
+    arrays = [rng.normal(size=100).astype(dtype) for _ in range(20)] + [np.zeros(0, dtype)]
+    norm = gclip.global_norm(arrays, reproducible=True)
+    exact = sum((exact_power_sum(a, 2) for a in arrays), Fraction(0))
+    assert norm == pytest.approx(math.sqrt(exact), rel=1e-15)
+    assert gclip.global_norm([np.zeros(0, dtype)] * 20, reproducible=True) == 0.0
+
+
+@pytest.mark.parametrize("writable", [False, True])
+def test_the_interface_table_reads_what_the_header_reads_give(kernels, monkeypatch, writable):
+    """GCLIP_RAW_HEADERS=0 (or headers not readable here): the table from __array_interface__,
+    entry by entry as the compiled header reads give it, on arrays of every kind they sort."""
+    base = np.zeros((6, 8), np.float32)
+    arrays = [
+        base,
+        np.zeros((3, 4), np.float64, order="F"),
+        base[:, ::2],
+        np.zeros(5, ">f8"),
+        np.zeros(0, np.float64),
+        np.zeros(3, np.float16),
+        np.zeros((), np.float64),
+        base.T,
+        np.frombuffer(bytes(16), np.float64),
+        np.ones(7, np.float32)[1:],
+    ]
+    raw = kernels.table(arrays, writable)
+    monkeypatch.setenv("GCLIP_RAW_HEADERS", "0")
+    python = kernels.table(arrays, writable)
+    assert raw.compiled == python.compiled == (6 if writable else 7)  # the read-only one: not for a scale
+    for field in ("kind", "size", "ptr"):
+        assert getattr(raw, field).tolist() == getattr(python, field).tolist(), field
+    monkeypatch.delenv("GCLIP_RAW_HEADERS")
+    x = [np.full(100, 0.5, np.float32) for _ in range(20)]
+    want = gclip.global_norm(x)
+    monkeypatch.setenv("GCLIP_RAW_HEADERS", "0")
+    assert gclip.global_norm(x) == want == pytest.approx(math.sqrt(2000 * 0.25), rel=1e-15)
+
+
+def test_no_llvm_intrinsic_is_named_for_typed_pointers():
+    """llvmlite names the overloaded intrinsics (declare_intrinsic) for its own pointer mode: none
+    is spelt with a typed-pointer suffix such as .p0i8, which opaque-pointer LLVMs do not define."""
+    import re
+    from pathlib import Path
+
+    source = (Path(gclip.__file__).parent / "_jit.py").read_text()
+    assert not re.findall(r"\"llvm\.[\w.]*\.p\d+[a-z]+\d*\"", source)
+    assert "get_or_insert_function" not in source  # every intrinsic goes through declare_intrinsic

@@ -114,7 +114,7 @@ def bits64(typingctx, x):
 @intrinsic
 def fma(typingctx, x, y, z):  # x*y + z rounded once
     def codegen(ctx, b, sig, args):
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_DOUBLE, [_DOUBLE] * 3), "llvm.fma.f64")
+        fn = b.module.declare_intrinsic("llvm.fma", [_DOUBLE], ir.FunctionType(_DOUBLE, [_DOUBLE] * 3))
         return b.call(fn, args)
 
     return types.float64(types.float64, types.float64, types.float64), codegen
@@ -127,7 +127,8 @@ def prefetch(typingctx, arr, idx):  # a hint that arr[idx] is read soon; never f
         ary = ctx.make_array(aryty)(ctx, b, args[0])
         ptr = cgutils.get_item_pointer(ctx, b, aryty, ary, [args[1]], wraparound=False)
         fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(b.module, fnty, "llvm.prefetch.p0i8")
+        # llvmlite spells the overloaded name for its own pointers (typed: .p0i8, opaque: .p0)
+        fn = b.module.declare_intrinsic("llvm.prefetch", [_I8P], fnty)
         rw, locality, cache = (ir.Constant(_I32, v) for v in (0, 3, 1))
         b.call(fn, [b.bitcast(ptr, _I8P), rw, locality, cache])
         return ctx.get_dummy_value()
@@ -307,6 +308,8 @@ def _block_top(y, p, width):
 
 @jit
 def _absmax(y):
+    if y.size == 0:  # never read y[0] of an empty view
+        return absbits(y.dtype.type(0.0))
     m = absbits(y[0])
     for i in range(1, y.size):
         m = umax(m, absbits(y[i]))
@@ -402,6 +405,8 @@ def digits(x, p, counts, width, bin_lo, block):
     # block's fold loop, where its loads overlap the arithmetic), then the three folds
     special = 0.0
     n = x.size
+    if n == 0:  # nothing to read, not even the first block's max
+        return special
     t, m = _block_top(x[:block], p, width)
     for start in range(0, n, block):
         y = x[start : start + block]

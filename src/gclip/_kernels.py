@@ -87,9 +87,10 @@ class Kernels:
         self.sumsq_bf16 = fns.sumsq_bf16  # one 1-D uint16 array: bfloat16 bits (gclip.torch)
 
     def table(self, arrays: Any, writable: bool = False) -> Table | None:
-        """The arrays' table, or None where headers cannot be read here."""
-        if self._layout is None:
-            return None
+        """The arrays' table: read from the headers in one compiled call, or where they cannot
+        be read here (or GCLIP_RAW_HEADERS=0), from each array's ``__array_interface__``."""
+        if self._layout is None or os.environ.get("GCLIP_RAW_HEADERS", "1") == "0":
+            return _interface_table(arrays, writable)
         n = len(arrays)
         try:
             ids = np.fromiter(map(id, arrays), np.int64, n)
@@ -122,6 +123,30 @@ class Kernels:
     def digits_view(self, x: np.ndarray, p: int, counts: np.ndarray, width: int, bin_lo: int) -> float:
         """:meth:`digits` of one 1-D float32 or float64 view (any stride)."""
         return float(self.fns.digits(x, p, counts, width, bin_lo, BLOCK))
+
+
+def _interface_table(arrays: Any, writable: bool) -> Table:
+    """The table from Python's side (an array's ``__array_interface__``): what the header reads
+    give, at a few microseconds per array."""
+    n = len(arrays)
+    ptr, size, kind = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    compiled = 0
+    for i, a in enumerate(arrays):
+        if type(a) is not np.ndarray or (a.dtype is not _F32 and a.dtype is not _F64):
+            continue
+        flags = a.flags
+        if (
+            not (flags.c_contiguous or flags.f_contiguous)
+            or not flags.aligned
+            or (writable and not flags.writeable)
+        ):
+            continue
+        ptr[i], size[i], kind[i] = a.__array_interface__["data"][0], a.size, F32 if a.dtype is _F32 else F64
+        compiled += 1
+    return Table(ptr, size, kind, compiled)
+
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 @functools.lru_cache(maxsize=1)

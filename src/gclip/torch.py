@@ -530,3 +530,8 @@ def check_replicas(
     world = _world(comm)
     collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
     _torch_replicas.check_replicas(world, collect, names)
+
+
+from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
+
+clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)

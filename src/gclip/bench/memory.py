@@ -122,3 +122,52 @@ def mem_available() -> int | None:
     except OSError:
         return None
     return None
+
+
+_FIRST_CALL = """
+import json, sys
+import numpy as np
+def hwm():
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')  # the peak so far: reset to the current RSS
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM:'):
+            return int(line.split()[1]) * 1024
+def peak():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM:'):
+            return int(line.split()[1]) * 1024
+import gclip
+x = np.random.default_rng(0).normal(size=10**7).astype(np.float32)
+out = {}
+for name, kw in (('default', {}), ('reproducible', {'reproducible': True})):
+    before = hwm()
+    gclip.clip_simulated([[x]], 1.0, **kw)
+    first = peak() - before
+    before = hwm()
+    gclip.clip_simulated([[x]], 1.0, **kw)
+    out[name] = first - (peak() - before)  # the copy clip_simulated returns is in both
+out['numba_loaded'] = 'numba' in sys.modules
+print(json.dumps(out))
+"""
+
+
+def first_call_memory() -> dict[str, Any] | None:
+    """The one-time growth of the peak RSS in a fresh process's first clip of a 1e7 float32 shard
+    (simulated, no MPI): numba's import and the cached kernels loaded, the first call's peak less
+    the second's; default, then reproducible (what its first call adds on top)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not _reset_peak_rss():
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI", "HYDRA"))}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, timeout=600
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._lab import plots
 from .._lab.cli import ArgParser, UsageError, check_writable
+from .step import STEP_LISTS
 from .workloads import (
     DEFAULT_DTYPES,
     DEFAULT_LISTS,
@@ -73,7 +74,7 @@ def parse_dtypes(text: str) -> list[str]:
 def parse_lists(text: str) -> list[str]:
     """'gpt2-small,tiny' -> names of list workloads; 'none' or '' -> []."""
     names = [t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"]
-    known = [w.name for w in (*LISTS, *TORCH_LISTS)]
+    known = [w.name for w in (*LISTS, *TORCH_LISTS, *STEP_LISTS)]
     for name in names:
         if name not in known:
             raise UsageError(f"--lists: {name!r} is not one of {', '.join(known)} (or none)")
@@ -115,7 +116,8 @@ def _parser() -> ArgParser:
     p.add_argument(
         "--lists",
         default=None,
-        help=f"list workloads, comma-separated, or none (default {DEFAULT_LISTS}; --quick: tiny)",
+        help=f"list workloads, comma-separated, or none (default {DEFAULT_LISTS}; --quick: tiny; "
+        "optimizer steps: gpt2-small-step, gpt2-small-step-bf16)",
     )
     p.add_argument("--cold", action="store_true", help="evict L1/L2 before each timed call (default: warm)")
     p.add_argument(

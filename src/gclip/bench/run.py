@@ -11,9 +11,10 @@ from typing import Any
 from .._lab.cli import rank_size
 from .collectives import collective_counts
 from .lists import bench_list
-from .memory import check_memory, measure_memory
+from .memory import check_memory, first_call_memory, measure_memory
 from .ops import bench_case, torch_setup, torch_teardown
 from .options import PROG, THREAD_VARS, threads
+from .step import bench_step
 from .table import fmt_n, fmt_t
 from .targets import targets
 from .timing import time_allreduce
@@ -89,6 +90,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
     memory: list[dict] = []
     lists: list[dict] = []
     torch_lists: list[dict] = []
+    steps: list[dict] = []
     try:
         for dtype in args.dtypes:
             for n in args.sizes:
@@ -111,6 +113,10 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         torch_lists = bench_torch_list(comm, torch_ctx, args.lists, args.repeat)
         if torch_lists:
             _progress(f"gclip.torch lists: {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        steps = bench_step(comm, torch_ctx, args.lists, args.repeat)
+        if steps:
+            _progress(f"optimizer steps: {time.perf_counter() - t0:.1f} s")
     finally:
         torch_teardown(torch_ctx)
     if rank != 0:
@@ -131,7 +137,9 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "memory": memory,
         "lists": lists,
         "torch_lists": torch_lists,
-        "targets": targets(rows, memory, collectives, ar, lists),
+        "steps": steps,
+        "first_call": None if args.quick else first_call_memory(),
+        "targets": targets(rows, memory, collectives, ar, lists, steps),
         "seconds": time.perf_counter() - start,
         "load_average": {"start": load_start, "end": _load()},
     }

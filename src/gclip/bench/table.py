@@ -12,6 +12,7 @@ __all__ = [
     "fmt_n",
     "fmt_t",
     "format_lists",
+    "format_steps",
     "format_table",
     "format_torch_lists",
 ]
@@ -115,6 +116,17 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("torch_lists"):
         out.append("gclip.torch on torch parameters, per rank (gloo group; slowest rank, median):")
         out.append(format_torch_lists(result["torch_lists"]))
+    first = result.get("first_call")
+    if first:
+        out.append(
+            "one-time peak RSS growth of a fresh process's first clip of 1e7 float32: "
+            f"{fmt_bytes(first['default'])}"
+            f" (numba and the kernels loaded: {first['numba_loaded']}); reproducible's first call adds"
+            f" {fmt_bytes(first['reproducible'])}"
+        )
+    if result.get("steps"):
+        out.append("what clipping adds to a fused AdamW step, per rank (gloo group; slowest rank, median):")
+        out.append(format_steps(result["steps"]))
     misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:
         out.append(f"warning: {misses} active rep(s) did not clip (see 'misses' in the JSON)")
@@ -162,5 +174,20 @@ def format_torch_lists(rows: list[dict]) -> str:
         line = [name, g["dtype"], str(g["tensors"]), "active" if active else "off"]
         line += [fmt_t(g["median_s"]), fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}"]
         line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"] if p else ["-", "-"]
+        lines.append(line)
+    return columns(lines)
+
+
+def format_steps(rows: list[dict]) -> str:
+    """The optimizer-step rows: each time, what it adds to its floor, gclip's added time over torch's."""
+    lines = [["workload", "ranks", "impl", "time", "adds", "adds/torch", "cpu", "cpu adds", "cpu adds/torch"]]
+    for r in rows:
+        line = [r["workload"], str(r["ranks"]), r["impl"], fmt_t(r["median_s"])]
+        line += [f"{r['adds_s'] * 1e3:.3g} ms" if "adds_s" in r else "-"]
+        line += [f"{r['vs_torch']:.2f}" if "vs_torch" in r else "-"]
+        if "cpu_median_s" in r:
+            line += [fmt_t(r["cpu_median_s"])]
+            line += [f"{r['cpu_adds_s'] * 1e3:.3g} ms" if "cpu_adds_s" in r else "-"]
+            line += [f"{r['cpu_vs_torch']:.2f}" if "cpu_vs_torch" in r else "-"]
         lines.append(line)
     return columns(lines)

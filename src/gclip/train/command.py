@@ -78,6 +78,11 @@ def _parser() -> ArgParser:
         help="simulate R ranks in this one process, without mpirun (the same clip engine; no MPI needed)",
     )
     p.add_argument("--reproducible", action="store_true", help="the same bits for any rank count and layout")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="fold the clip into the update: global_norm, clip_scale, then one pass lr * scale * gradient",
+    )
     p.add_argument("--layout", metavar="AXES", help="lay the MLP out over pp, dp and tp, e.g. pp=2,dp=2,tp=2")
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="save loss curves (needs matplotlib)")
@@ -105,6 +110,10 @@ def _main(argv: Sequence[str] | None) -> int:
                 f"--ranks simulates ranks in one process, but this runs on {real} real ranks: "
                 "drop --ranks, or drop mpirun"
             )
+    if args.fused and (args.buggy or args.layout or args.ranks is not None):
+        raise UsageError(
+            "--fused folds the correct clip into the update on real ranks: drop --buggy, --layout, --ranks"
+        )
     if args.plot:
         _check_plot_path(args.plot)
     if args.ranks is not None:
@@ -137,6 +146,7 @@ def _config(args: argparse.Namespace, simulated: bool = False) -> Config:
         norm_type=strategy.norm_type or 2.0,
         layout=args.layout,
         simulated=simulated,
+        fused=bool(getattr(args, "fused", False)),
     )
 
 

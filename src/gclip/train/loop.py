@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._lab.vectors import cosine, vector_norm
+from ..clip import clip_scale, global_norm
 from ..gallery import clip_by_global_norm, clip_simulated
 from .model import Model, init_params, loss_and_grad, make_data, shard_bounds
 
@@ -72,6 +73,7 @@ class Config(NamedTuple):
     norm_type: float
     layout: str | None = None  # e.g. "pp=2,dp=2,tp=2"; None: flat slices, one per rank
     simulated: bool = False  # the ranks were simulated in one process (--ranks)
+    fused: bool = False  # the scale folded into the update (global_norm + clip_scale): --fused
 
 
 class Recorder:
@@ -128,6 +130,24 @@ def train(config: Config, mode: str, comm: Any) -> Run:
         comm.Allgatherv(mine, [gathered, counts, displs, MPI.DOUBLE])
         loss, grad, raw_b2 = loss_and_grad(gathered, b2, x, y, model)
         raw_shard = grad[lo : lo + mine.size].copy()
+        if config.fused:  # the norm (one read), then the update applies the scale in its own pass
+            norm = global_norm(
+                [raw_shard, raw_b2],
+                comm=comm,
+                norm_type=config.norm_type,
+                reproducible=config.reproducible,
+                replicated=[False, True],
+            )
+            scale = clip_scale(norm, config.max_norm)
+            mine -= (config.lr * scale) * raw_shard
+            b2 = b2 - (config.lr * scale) * raw_b2
+            # diagnostics only, as below: the update as applied is scale * gradient
+            told = comm.allgather((norm, scale < 1.0))
+            comm.Allgatherv(raw_shard, [clipped_in, counts, displs, MPI.DOUBLE])
+            record.step(
+                loss, told, scale * np.concatenate([clipped_in, raw_b2]), np.concatenate([clipped_in, raw_b2])
+            )
+            continue
         shard, gb2 = raw_shard.copy(), raw_b2.copy()
         result = clip_by_global_norm(
             [shard, gb2],
