@@ -8,9 +8,13 @@
   the mpich wheel (mpirun);
 * compose.yaml's ssh-less launch scripts are run for real on simulated hosts
   with scripts/cluster-sim (skips where cluster-sim exits 77);
-* scripts/docker-rehearse (a real `pip install .` in a throwaway venv, then the
-  image's command) runs on Linux, the image's system: it needs the package index
-  (as the README's install does) and takes seconds to a few minutes.
+* scripts/docker-rehearse is tested with stand-in `podman`/`docker` programs: what
+  it names when an engine is missing or cannot run containers, that a hung step
+  ends at its timeout, that it builds every stage, fails on a build defect and
+  cleans up, that every engine/apt/container call runs under a timeout, and
+  that a stand-in base comes from the mirror apt uses. Its real builds and runs
+  (minutes, apt-get, the package index) are .ci/run's step; its venv fallback
+  (a real `pip install .`, then the image's command) runs here on Linux.
 """
 
 from __future__ import annotations
@@ -439,6 +443,9 @@ def path_without(tmp_path: Path, hide: set[str], fakes: dict[str, str]) -> str:
 def rehearse(tmp_path: Path, args: list[str], path: str, **env: str) -> tuple[int, str, list[str]]:
     log = tmp_path / "fake.log"
     log.touch()
+    index = tmp_path / "index.html"  # the package index, as far as these runs need it
+    index.write_text("<html></html>")
+    env = {"DOCKER_REHEARSE_INDEX": index.as_uri(), **env}
     res = subprocess.run(
         [str(REHEARSE), *args],
         capture_output=True,
@@ -511,6 +518,19 @@ def test_rehearse_builds_every_stage_and_names_the_run_steps_it_cannot_do(tmp_pa
     tags = {b[b.index("-t") + 1] for b in builds}
     removed = {w for c in calls if c.startswith("rmi ") for w in c.split()[1:]}
     assert tags <= removed, f"the images it built are removed: {calls}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_names_an_unreachable_package_index_instead_of_building(tmp_path):
+    path = path_without(tmp_path, {"podman", "docker"}, {"podman": FAKE_PODMAN})
+    rc, out, calls = rehearse(
+        tmp_path, ["--engine", "podman"], path, DOCKER_REHEARSE_INDEX="http://127.0.0.1:9/"
+    )
+    assert rc == 77, out
+    (line,) = skip_lines(out)
+    assert line.startswith("builds: the package index cannot be reached from this machine"), line
+    assert line.endswith("the base stage's pip install needs it"), line
+    assert not any(c.startswith("build ") for c in calls)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
