@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -495,6 +496,35 @@ def test_rehearse_bounds_a_hung_engine_by_its_step_timeout(tmp_path):
     sleeper = next(c for c in calls if c.startswith("sleep ")).split()[1]
     status = Path(f"/proc/{sleeper}/status")  # timeout ended the whole process group:
     assert not status.exists() or "\nState:\tZ" in status.read_text(), "the hung step's child still runs"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_stops_a_running_step_when_terminated(tmp_path):
+    """SIGTERM (CI's outer timeout, Ctrl-C) ends the run at once, step included, not when the step ends."""
+    path = path_without(tmp_path, {"podman", "docker"}, {"podman": FAKE_PODMAN})
+    log = tmp_path / "fake.log"
+    proc = subprocess.Popen(
+        [str(REHEARSE), "--engine", "podman"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PATH": path, "FAKE_LOG": str(log), "FAKE_HANG": "1"},
+    )
+    try:
+        for _ in range(300):  # until the hung `podman info` runs
+            if log.exists() and "sleep " in log.read_text():
+                break
+            time.sleep(0.1)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=15)  # well before the step's own limit (30 s)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out
+    assert "terminated" in out
+    sleeper = next(c for c in log.read_text().splitlines() if c.startswith("sleep ")).split()[1]
+    status = Path(f"/proc/{sleeper}/status")
+    assert not status.exists() or "\nState:\tZ" in status.read_text(), "the step's child still runs"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
