@@ -578,14 +578,16 @@ def test_rehearse_fails_on_a_build_defect_and_still_cleans_up(tmp_path):
 
 
 def test_rehearse_steps_are_bounded_by_timeouts():
-    """No engine, apt-get, mmdebstrap, cluster-sim or container is started as a command of its own:
+    """No engine, apt-get, debootstrap, cluster-sim or container is started as a command of its own:
     each is an argument of `step` (timeout LIMIT) or `timeout` -- outside the chroot runner
     (`enter`), which is itself what such a step runs."""
     text = REHEARSE.read_text()
     body = re.sub(r"^enter\(\) \{.*?^\}$", "", text, flags=re.S | re.M)
     body = re.sub(r"<< '(\w+)'\n.*?^\1$", "", body, flags=re.S | re.M)  # heredocs (python)
     assert "step()" in body and "timeout --kill-after" in body
-    tool = r'"\$engine"|"\$self"|"\$repo/scripts/cluster-sim"|\b(podman|docker|apt-get|mmdebstrap)\b'
+    tool = (
+        r'"\$engine"|"\$self"|"\$repo/scripts/cluster-sim"|\b(podman|docker|apt-get|debootstrap|chroot|tar)\b'
+    )
     command_start = r"(^|&&|\|\||;|\||\{|\(|\$\(|\bthen|\bdo|\belse|!)\s*"
     unbounded = []
     for line in re.sub(r"\\\n\s*", " ", body).splitlines():
