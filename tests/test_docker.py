@@ -8,9 +8,13 @@
   the mpich wheel (mpirun);
 * compose.yaml's ssh-less launch scripts are run for real on simulated hosts
   with scripts/cluster-sim (skips where cluster-sim exits 77);
-* scripts/docker-rehearse (a real `pip install .` in a throwaway venv, then the
-  image's command) runs on Linux, the image's system: it needs the package index
-  (as the README's install does) and takes seconds to a few minutes.
+* scripts/docker-rehearse is tested with stand-in `podman`/`docker` programs: what
+  it names when an engine is missing or cannot run containers, that a hung step
+  ends at its timeout, that it builds every stage, fails on a build defect and
+  cleans up, that every engine/apt/container call runs under a timeout, and
+  that a stand-in base comes from the mirror apt uses. Its real builds and runs
+  (minutes, apt-get, the package index) are .ci/run's step; its venv fallback
+  (a real `pip install .`, then the image's command) runs here on Linux.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -386,17 +392,296 @@ def test_docker_rehearse_script_is_valid_bash():
     assert res.returncode == 0, res.stderr
 
 
+# --- scripts/docker-rehearse with stand-in engines ------------------------------
+# The real builds run in .ci/run (minutes, apt-get, the package index); these runs put
+# fake `podman`/`docker` programs first on a PATH that hides the real ones, so they
+# check, in seconds, how the script bounds, names and cleans up what it does.
+
+FAKE_PODMAN = r"""#!/bin/sh
+# records its arguments; answers like podman in a sandbox that refuses to run containers
+printf '%s\n' "$*" >> "$FAKE_LOG"
+case $1 in
+    --version) echo "podman version 0.0-fake" ;;
+    info) [ -n "$FAKE_HANG" ] && { sleep 300 & echo "sleep $!" >> "$FAKE_LOG"; wait; } ;;
+    build)
+        echo "[1/3] STEP 1/2: FROM python:3.11.11-slim-bookworm AS base"
+        [ -z "$FAKE_BUILD_FAILS" ] && exit 0
+        echo 'Error: building at STEP "RUN pip install": exit status 1'
+        exit 1 ;;
+    run)
+        echo 'Error: crun: setrlimit `RLIMIT_NOFILE`: Operation not permitted: OCI permission denied' >&2
+        exit 126 ;;
+esac
+exit 0
+"""
+
+FAKE_DOCKER_NO_DAEMON = r"""#!/bin/sh
+printf '%s\n' "$*" >> "$FAKE_LOG"
+echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?" >&2
+exit 1
+"""
+
+
+def path_without(tmp_path: Path, hide: set[str], fakes: dict[str, str]) -> str:
+    """A PATH of one directory: links to every program on PATH but `hide`, plus `fakes`."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in fakes.items():
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(d):
+            continue
+        for entry in os.scandir(d):
+            name = entry.name
+            if name in hide or name in fakes or (bindir / name).exists():
+                continue
+            if os.access(entry.path, os.X_OK) and not entry.is_dir():
+                (bindir / name).symlink_to(entry.path)
+    return str(bindir)
+
+
+def rehearse(tmp_path: Path, args: list[str], path: str, **env: str) -> tuple[int, str, list[str]]:
+    log = tmp_path / "fake.log"
+    log.touch()
+    index = tmp_path / "index.html"  # the package index, as far as these runs need it
+    index.write_text("<html></html>")
+    env = {"DOCKER_REHEARSE_INDEX": index.as_uri(), **env}
+    res = subprocess.run(
+        [str(REHEARSE), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PATH": path, "FAKE_LOG": str(log), **env},
+    )
+    return res.returncode, res.stdout + res.stderr, log.read_text().splitlines()
+
+
+def skip_lines(out: str) -> list[str]:
+    return [line.removeprefix("docker-rehearse: SKIP ") for line in out.splitlines() if " SKIP " in line]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_names_a_missing_engine_and_exits_77(tmp_path):
+    path = path_without(tmp_path, {"podman", "docker"}, {})
+    rc, out, _ = rehearse(tmp_path, ["--engine", "podman"], path)
+    assert rc == 77, out
+    assert skip_lines(out) == ["real builder: podman not found (--install installs podman with apt-get)"], out
+    assert "nothing could be rehearsed on this machine" in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_names_an_unreachable_docker_daemon(tmp_path):
+    path = path_without(tmp_path, {"podman", "docker"}, {"docker": FAKE_DOCKER_NO_DAEMON})
+    rc, out, calls = rehearse(tmp_path, ["--engine", "docker"], path)
+    assert rc == 77, out
+    (line,) = skip_lines(out)
+    assert line.startswith(
+        "real builder: docker is installed but its daemon cannot be used: Cannot connect"
+    ), out
+    assert calls == ["info"], "only probed, nothing built"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_bounds_a_hung_engine_by_its_step_timeout(tmp_path):
+    """A step that hangs is killed at its limit, with its children, and the run goes on to say why."""
+    path = path_without(tmp_path, {"podman", "docker"}, {"podman": FAKE_PODMAN})
+    rc, out, calls = rehearse(
+        tmp_path, ["--engine", "podman"], path, FAKE_HANG="1", DOCKER_REHEARSE_STEP_LIMIT="2"
+    )
+    assert rc == 77, out
+    assert "probe: podman info: timed out after 2s" in out, out
+    assert skip_lines(out) and skip_lines(out)[0].startswith("real builder: podman info failed"), out
+    sleeper = next(c for c in calls if c.startswith("sleep ")).split()[1]
+    status = Path(f"/proc/{sleeper}/status")  # timeout ended the whole process group:
+    assert not status.exists() or "\nState:\tZ" in status.read_text(), "the hung step's child still runs"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_stops_a_running_step_when_terminated(tmp_path):
+    """SIGTERM (CI's outer timeout, Ctrl-C) ends the run at once, step included, not when the step ends."""
+    path = path_without(tmp_path, {"podman", "docker"}, {"podman": FAKE_PODMAN})
+    log = tmp_path / "fake.log"
+    proc = subprocess.Popen(
+        [str(REHEARSE), "--engine", "podman"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PATH": path, "FAKE_LOG": str(log), "FAKE_HANG": "1"},
+    )
+    try:
+        for _ in range(300):  # until the hung `podman info` runs
+            if log.exists() and "sleep " in log.read_text():
+                break
+            time.sleep(0.1)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=15)  # well before the step's own limit (30 s)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out
+    assert "terminated" in out
+    sleeper = next(c for c in log.read_text().splitlines() if c.startswith("sleep ")).split()[1]
+    status = Path(f"/proc/{sleeper}/status")
+    assert not status.exists() or "\nState:\tZ" in status.read_text(), "the step's child still runs"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_builds_every_stage_and_names_the_run_steps_it_cannot_do(tmp_path):
+    """podman run refused and no way to chroot: both stages built, each run step skipped with its reason."""
+    path = path_without(tmp_path, {"podman", "docker", "unshare"}, {"podman": FAKE_PODMAN})
+    rc, out, calls = rehearse(tmp_path, ["--engine", "podman"], path)
+    assert rc == 0, out
+    builds = [c.split() for c in calls if c.startswith("build ")]
+    assert len(builds) == 2, calls
+    targets = [b[b.index("--target") + 1] if "--target" in b else "(default)" for b in builds]
+    assert targets == ["mpi-operator", "(default)"], "every stage, the default one as `docker build` does"
+    for b in builds:
+        assert b[b.index("-f") + 1] == str(DOCKERFILE) and b[-1] == str(ROOT)
+        assert "--pull=never" in b
+    skips = skip_lines(out)
+    assert [s.split(":")[0] for s in skips] == ["runtime", "mpi-operator check", "compose"], out
+    for s in skips:
+        assert "podman run is refused here: Error: crun: setrlimit" in s, s
+        assert "the chroot fallback needs" in s, s
+    tags = {b[b.index("-t") + 1] for b in builds}
+    removed = {w for c in calls if c.startswith("rmi ") for w in c.split()[1:]}
+    assert tags <= removed, f"the images it built are removed: {calls}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_names_an_unreachable_package_index_instead_of_building(tmp_path):
+    path = path_without(tmp_path, {"podman", "docker"}, {"podman": FAKE_PODMAN})
+    rc, out, calls = rehearse(
+        tmp_path, ["--engine", "podman"], path, DOCKER_REHEARSE_INDEX="http://127.0.0.1:9/"
+    )
+    assert rc == 77, out
+    (line,) = skip_lines(out)
+    assert line.startswith("builds: the package index cannot be reached from this machine"), line
+    assert line.endswith("the base stage's pip install needs it"), line
+    assert not any(c.startswith("build ") for c in calls)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rehearsal runs on Linux")
+def test_rehearse_fails_on_a_build_defect_and_still_cleans_up(tmp_path):
+    path = path_without(tmp_path, {"podman", "docker"}, {"podman": FAKE_PODMAN})
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("gclip-docker-rehearse.*"))
+    rc, out, calls = rehearse(tmp_path, ["--engine", "podman"], path, FAKE_BUILD_FAILS="1")
+    assert rc == 1, out
+    assert "FAILED build: mpi-operator" in out and "FAILED build: runtime" in out
+    assert 'Error: building at STEP "RUN pip install"' in out, "the build's own error is shown"
+    assert not any(c.startswith("run ") for c in calls), "nothing is run from a failed build"
+    assert any(c.startswith("rmi ") for c in calls)
+    assert set(tmp.glob("gclip-docker-rehearse.*")) <= before, "its work directory is removed"
+
+
+def test_rehearse_steps_are_bounded_by_timeouts():
+    """No engine, apt-get, debootstrap, cluster-sim or container is started as a command of its own:
+    each is an argument of `step` (timeout LIMIT) or `timeout` -- outside the chroot runner
+    (`enter`), which is itself what such a step runs."""
+    text = REHEARSE.read_text()
+    body = re.sub(r"^enter\(\) \{.*?^\}$", "", text, flags=re.S | re.M)
+    body = re.sub(r"<< '(\w+)'\n.*?^\1$", "", body, flags=re.S | re.M)  # heredocs (python)
+    assert "step()" in body and "timeout --kill-after" in body
+    tool = (
+        r'"\$engine"|"\$self"|"\$repo/scripts/cluster-sim"|\b(podman|docker|apt-get|debootstrap|chroot|tar)\b'
+    )
+    command_start = r"(^|&&|\|\||;|\||\{|\(|\$\(|\bthen|\bdo|\belse|!)\s*"
+    unbounded = []
+    for line in re.sub(r"\\\n\s*", " ", body).splitlines():
+        code = line.strip()
+        if not code or code.startswith("#"):
+            continue
+        code = re.sub(tool, "@TOOL@", code)
+        code = re.sub(r"'[^']*'", "''", code)
+        code = re.sub(r'"([^"$]|\$[{\w@])*"', '""', code)  # strings without a command substitution
+        # tests, arrays and case patterns name tools without running them
+        code = re.sub(r"\[\[.*?\]\]|=\([^)]*\)|\bcase\b.*?\bin\b[^)]*\)", "", code)
+        if re.search(command_start + "@TOOL@", code):
+            unbounded.append(line.strip())
+    assert not unbounded, "started without a timeout:\n" + "\n".join(unbounded)
+
+
+def test_stand_in_uses_the_mirror_apt_uses(tmp_path):
+    apt = tmp_path / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    (apt / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://security.mirror.test/debian-security\nSuites: bookworm-security\n"
+        "Components: main\n\n"
+        "Types: deb\n# a comment\nURIs: http://mirror.test/debian\nSuites: bookworm bookworm-updates\n"
+        "Components: main\n"
+    )
+
+    def mirror_for(suite: str) -> str:
+        res = subprocess.run(
+            [str(REHEARSE), "--mirror-for", suite],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "DOCKER_REHEARSE_APT_DIR": str(apt)},
+        )
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    assert mirror_for("bookworm") == "http://mirror.test/debian"
+    assert mirror_for("trixie") == "http://deb.debian.org/debian", "no source for it: Debian's own"
+    (apt / "sources.list.d" / "debian.sources").unlink()
+    (apt / "sources.list").write_text(
+        "deb http://security.test/debian-security bookworm-security main\n"
+        "deb [signed-by=/usr/share/keyrings/x.gpg] http://old.mirror.test/debian bookworm main\n"
+    )
+    assert mirror_for("bookworm") == "http://old.mirror.test/debian"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cluster-sim needs Linux namespaces")
+def test_cluster_sim_names_hosts_and_runs_a_launcher_command(tmp_path):
+    """--host-names/--launcher-name/--run-in-launcher, as the compose and mpijob rehearsals use them."""
+    out_dir = tmp_path / "seen"
+    out_dir.mkdir()
+    daemon = f"cat /proc/sys/kernel/hostname > {shlex.quote(str(out_dir))}/$CLUSTER_SIM_HOST_INDEX; sleep 60"
+    launcher = (
+        'for i in 0 1; do while [ ! -s "$0/$i" ]; do sleep 0.1; done; done; '
+        'hostname; cat "$CLUSTER_SIM_HOSTS_FILE"'
+    )
+    res = subprocess.run(
+        [str(CLUSTER_SIM), "--hosts", "2", "--ranks-per-host", "1", "--timeout", "30",
+         "--host-names", "worker1,worker2", "--launcher-name", "launcher", "--host-daemon", daemon,
+         "--run-in-launcher", "--", "sh", "-c", launcher, str(out_dir)],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=ROOT,
+    )  # fmt: skip
+    if res.returncode == 77:
+        pytest.skip(res.stderr.strip().splitlines()[-1].removeprefix("cluster-sim: "))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "launcher"
+    hosts = dict(reversed(line.split("\t")) for line in lines[1:] if not line.startswith(("127.", "::1")))
+    assert hosts == {"launcher": "10.77.0.2", "worker1": "10.77.0.10", "worker2": "10.77.0.11"}
+    assert [(out_dir / str(i)).read_text().strip() for i in (0, 1)] == ["worker1", "worker2"]
+    bad = subprocess.run(
+        [str(CLUSTER_SIM), "--hosts", "2", "--ranks-per-host", "1", "--host-names", "w1", "--", "true"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--host-names must name exactly 2 host(s)" in bad.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(960)  # a cold pip cache downloads numpy, mpi4py and the mpich wheel
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the image is Linux: its steps are rehearsed on Linux"
 )
-def test_docker_rehearse_runs_the_image_steps():
+def test_docker_rehearse_venv_fallback_runs_the_image_steps():
+    """The fallback without an engine: the base stage's COPY + pip install in a venv, then the command."""
     res = subprocess.run(
-        [str(REHEARSE)],
+        [str(REHEARSE), "--engine", "venv"],
         capture_output=True,
         text=True,
         timeout=900,
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert (
+        "OK venv rehearsal: install and timeout --kill-after=10 120 mpirun -n 2 python -m gclip.demo"
+        in res.stderr
+    )
