@@ -44,7 +44,8 @@ FILES = ROOT / "lab" / "README.md"
 DOCS = [LAB, KEY, SHEET, FILES]
 TIMEOUT = 240
 INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install"
-SEED = 7  # the documents' example seed
+SEED = 43  # the documents' example seed: no student's (they are handed 1 to 40)
+HANDED_OUT = range(1, 41)
 
 
 def blocks(path: Path, lang: str) -> list[str]:
@@ -710,10 +711,10 @@ def test_the_direction_rule_of_the_key_is_what_each_mystery_does():
             assert cos < 0.999
         elif name == "fp16-sumsq":
             assert cos is None
-            assert demo.mysteries(SEED)[2] == "fp16-sumsq"
+            k = demo.mysteries(SEED).index("fp16-sumsq") + 1
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                demo_command._main(["--ranks", "4", "--seed", str(SEED), "--mystery", "3"], OneRankComm())
+                demo_command._main(["--ranks", "4", "--seed", str(SEED), "--mystery", str(k)], OneRankComm())
             text = buf.getvalue()
             assert re.search(r"cosine with the original +1\.000000 +undefined", text)
         else:
@@ -747,3 +748,77 @@ def test_the_keys_seed_7_numbers_are_what_each_mystery_uses():
         used = demo_json("--ranks", "4", "--seed", str(SEED), "--mystery", str(k))["norms_used"]
         shown = [math.inf if u == "inf" else u for u in used]
         assert [f"{x:.6g}" for x in shown[: len(want)]] == [f"{x:.6g}" for x in want], name
+
+
+# ---------------------------------------------------------------------------
+# no student's answer on the page
+
+
+def _demo_argv(cmd: str) -> tuple[list[str], int] | None:
+    """A demo command of the documents as (argv without --ranks, rank count), or None."""
+    words = shlex.split(cmd)
+    ranks = 1
+    if words[0] == "mpirun":
+        ranks, words = int(words[2]), words[3:]
+    if words[1:3] != ["-m", "gclip.demo"]:
+        return None
+    argv = words[3:]
+    if "--ranks" in argv:
+        i = argv.index("--ranks")
+        ranks = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2 :]
+    return argv, ranks
+
+
+def _what_the_bug_printed(argv: list[str], ranks: int) -> tuple | None:
+    """The numbers a bug's run shows (its data, the norms used, the scales), or None: no bug ran."""
+    if "--list-bugs" in argv:
+        return None
+    report = demo_json(*argv, "--ranks", str(ranks))
+    if "bug_run" in report:  # a layout
+        b = report["bug_run"]
+        return ("layout", report["layout"], report.get("model_norm"), repr(b["norms"]), repr(b["scales"]))
+    if report["mode"] == "global":
+        return None
+    return (ranks, report["true_global_norm"], repr(report["norms_used"]), repr(report["scales"]))
+
+
+def _handed_out_mysteries(ranks: int, layouts: set[str]) -> dict[tuple, str]:
+    shown = {}
+    for seed in HANDED_OUT:
+        for k in range(1, len(demo.MYSTERY_POOL) + 1):
+            argv = ["--seed", str(seed), "--mystery", str(k)]
+            shown[_what_the_bug_printed(argv, ranks)] = f"seed {seed} mystery {k}"
+        for layout in sorted(layouts):
+            for k in range(1, len(demo.LAYOUT_MYSTERY_POOL) + 1):
+                argv = ["--seed", str(seed), "--mystery", str(k), "--layout", layout]
+                shown[_what_the_bug_printed(argv, ranks)] = f"seed {seed} layout mystery {k}"
+    return shown
+
+
+def test_no_command_of_the_guide_or_the_sheet_prints_a_handed_out_seeds_mystery():
+    """Every bug run of lab.md and the worksheet, against every mystery of seeds 1 to 40 (run here
+    on the same ranks): none prints the same numbers, so no student finds an answer on the page.
+    The check itself catches the old worksheet's line (seed 7 is handed out; rms is its mystery 1)."""
+    runs = [_demo_argv(c) for c in dict.fromkeys(doc_commands(LAB) + doc_commands(SHEET))]
+    runs = [r for r in runs if r is not None]
+    printed = {}
+    for argv, ranks in runs:
+        what = _what_the_bug_printed(argv, ranks)
+        if what is not None:
+            printed[shlex.join(argv)] = (what, ranks)
+    assert len(printed) >= 4  # the bug runs of Exercises 1 to 3 at least
+    by_ranks: dict[int, dict] = {}
+    for _, ranks in printed.values():
+        layouts = {w[1] for w, r in printed.values() if r == ranks and w[0] == "layout"}
+        if ranks not in by_ranks:
+            by_ranks[ranks] = _handed_out_mysteries(ranks, layouts)
+    for cmd, (what, ranks) in printed.items():
+        assert what not in by_ranks[ranks], (cmd, by_ranks[ranks].get(what))
+    old_line = _what_the_bug_printed(["--seed", "7", "--buggy", "rms"], 4)
+    assert by_ranks[4][old_line] == "seed 7 mystery 1"
+    for path in (LAB, SHEET):  # and no self-check names a bug: it says NAME
+        for cmd in doc_commands(path):
+            if "--buggy" in shlex.split(cmd):
+                after = shlex.split(cmd)[shlex.split(cmd).index("--buggy") + 1 :]
+                assert not after or after[0] not in demo.MYSTERY_POOL, (path.name, cmd)
