@@ -151,3 +151,41 @@ def test_the_incidents_model_makes_the_tied_and_tp_bugs_as_large_as_the_incident
     assert _ratio(simulated("pp=2,dp=2,tp=2", "tied-counted-twice")) < 1.01
     r = simulated("pp=2,dp=2,tp=2", model="incidents")  # the correct clip: still the model's norm
     assert r["global_norm"] == pytest.approx(r["model_norm"], rel=1e-12)
+
+
+def test_the_layout_plot_draws_who_holds_counts_and_the_norms_used(tmp_path):
+    """--plot with --layout: panel 1 the values each rank holds, panel 2 the share of the sum of
+    squares each rank counts (summing to the whole model once), panel 3 the norm each rank used,
+    correct and bug; a mystery's figure names no bug."""
+    pytest.importorskip("matplotlib")
+    from gclip._lab import plots
+    from gclip.demo.figure import render_layout_plot
+
+    for argv, hidden in (
+        (["--buggy", "tied-counted-twice"], None),
+        (["--seed", "43", "--mystery", "2"], "mystery 2"),
+    ):
+        opts = parse_args(["--layout", "pp=2,dp=2,tp=2", "--model", "incidents", "--ranks", "8", *argv], None)
+        r = run_layout_simulated(opts)
+        total = math.fsum(v for h in r["holdings"] for v in h["counted_share"].values())
+        assert total == pytest.approx(1.0, rel=1e-12)  # every element counted once
+        held = [sum(h["held"].values()) for h in r["holdings"]]
+        assert held == [row["held"] for row in r["correct"]["per_rank"]]
+        seen: dict = {}
+        original = plots.bars
+
+        def spy(ax, labels, series, seen=seen, original=original, **kw):
+            seen.update(series)
+            return original(ax, labels, series, **kw)
+
+        plots.bars = spy
+        try:
+            size = render_layout_plot(r, opts, str(tmp_path / "layout.png"))
+        finally:
+            plots.bars = original
+        assert size > 10_000 and (tmp_path / "layout.png").read_bytes()[:4] == b"\x89PNG"
+        assert seen["correct"] == [row["norm"] for row in r["correct"]["per_rank"]]
+        label = hidden or "tied-counted-twice"
+        assert seen[label] == [row["norm"] for row in r["bug_run"]["per_rank"]]
+        if hidden:
+            assert not any(name in str(seen) for name in strategies.LAYOUT_BUG_NAMES)

@@ -26,7 +26,7 @@ CORE = {
     "gclip.contract",
     "gclip.layout",
 }
-LAB = ("gclip.demo", "gclip.train", "gclip.conformance", "gclip.bench", "gclip._lab")
+LAB = ("gclip.demo", "gclip.train", "gclip.conformance", "gclip.bench", "gclip._lab", "gclip.classroom")
 MAX_LINES = 600
 
 

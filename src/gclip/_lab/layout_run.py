@@ -27,7 +27,15 @@ from ..engine import HEADER_SIZE
 from ..layout import Group, Mesh, ranges
 from . import transformer
 
-__all__ = ["RankClip", "bug_names", "clip_model", "clip_model_simulated", "frozen_ranks", "true_norm"]
+__all__ = [
+    "RankClip",
+    "bug_names",
+    "clip_model",
+    "clip_model_simulated",
+    "counts_here",
+    "frozen_ranks",
+    "true_norm",
+]
 
 WATCHDOG_S = 2.0  # how long the ranks wait for a skipped all-reduce before they say so
 
@@ -94,7 +102,7 @@ def clip_model(
         counted = sum(arrays[i].size for i in set(kept))
         return RankClip(mesh.rank, mesh.coords, norm, scale, counted, held, pieces, "")
     result = clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
-    counted = sum(p.array.size for p in pieces if p.replicated is False or _counts_here(p.replicated))
+    counted = sum(p.array.size for p in pieces if p.replicated is False or counts_here(p.replicated))
     return RankClip(mesh.rank, mesh.coords, result.total_norm, result.scale, counted, held, pieces, "")
 
 
@@ -178,7 +186,7 @@ def clip_model_simulated(
             r,
             found[r].total_norm,
             found[r].scale,
-            sum(p.array.size for p in args[r][3] if p.replicated is False or _counts_here(p.replicated)),
+            sum(p.array.size for p in args[r][3] if p.replicated is False or counts_here(p.replicated)),
         )
         for r in range(size)
     ]
@@ -204,7 +212,8 @@ def _omitted(bug: strategies.LayoutBug, index: int, pieces: list) -> bool:
     return bug.omit in piece.placement.sharded
 
 
-def _counts_here(entry: Any) -> bool:
+def counts_here(entry: Any) -> bool:
+    """Whether this rank counts an array whose replicated= entry is ``entry`` (a group's rank 0)."""
     return entry is True or (entry is not None and entry.Get_rank() == 0)
 
 

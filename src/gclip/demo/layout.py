@@ -90,6 +90,7 @@ def _sent(run: layout_run.RankClip) -> dict:
         "held": run.held,
         "note": run.note,
         "pieces": [(p.name, p.part, p.kind, p.array) for p in run.pieces],
+        "counts": [p.replicated is False or layout_run.counts_here(p.replicated) for p in run.pieces],
     }
 
 
@@ -116,12 +117,11 @@ def build_report(opts: Options, mesh: Mesh, rows: list, gathered: list[dict]) ->
     ep = "ep" in mesh.shape
     model = model_of(opts)
     shapes = transformer.model_shapes(ep)
-    original = _vector(
-        {
-            (n, part): transformer.full_tensor(n, shapes[n], model=model, ep=ep)[_slice(part, n, ep)]
-            for n, part in _keys(gathered)
-        }
-    )
+    parts = {
+        (n, part): transformer.full_tensor(n, shapes[n], model=model, ep=ep)[_slice(part, n, ep)]
+        for n, part in _keys(gathered)
+    }
+    original = _vector(parts)
     report: dict[str, Any] = {
         "layout": mesh.describe(),
         "ranks": mesh.size,
@@ -160,11 +160,31 @@ def build_report(opts: Options, mesh: Mesh, rows: list, gathered: list[dict]) ->
             ],
         }
         report["correct" if mode == GLOBAL.name else "bug_run"] = entry
+    report["holdings"] = _holdings(gathered, parts, opts.p)
     report["global_norm"] = report["correct"]["norms"][0]
     report["scale"] = report["correct"]["scales"][0]
     if opts.bug and not opts.mystery:
         report["bug"] = _bug(opts.bug)
     return report
+
+
+def _holdings(gathered: list[dict], original: dict[tuple, np.ndarray], p: float) -> list[dict]:
+    """Per rank, by kind of tensor: the values it holds, the values it counts (the correct clip),
+    and the share of the model's sum of |x|^p those carry (of the gradient before the clip)."""
+    total = math.fsum(float(np.sum(np.abs(a) ** p)) for a in original.values()) if math.isfinite(p) else 0.0
+    out = []
+    for rank, g in enumerate(gathered):
+        sent = g[GLOBAL.name]
+        held: dict[str, int] = {}
+        counted: dict[str, int] = {}
+        share: dict[str, float] = {}
+        for (name, part, kind, array), counts in zip(sent["pieces"], sent["counts"]):
+            held[kind] = held.get(kind, 0) + int(array.size)
+            counted[kind] = counted.get(kind, 0) + (int(array.size) if counts else 0)
+            part_sum = float(np.sum(np.abs(original[(name, part)]) ** p)) if total and counts else 0.0
+            share[kind] = share.get(kind, 0.0) + (part_sum / total if total else 0.0)
+        out.append({"rank": rank, "held": held, "counted": counted, "counted_share": share})
+    return out
 
 
 def _keys(gathered: list[dict]) -> list[tuple]:

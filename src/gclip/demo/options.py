@@ -350,6 +350,11 @@ def _json(text: str, flag: str) -> Any:
     def constant(name: str) -> None:
         raise UsageError(f"{flag}: {name} is not allowed, values must be finite numbers")
 
+    if len(text) >= 2 and text[0] == text[-1] == "'":  # cmd.exe passes single quotes on as they are
+        raise UsageError(
+            f"{flag}: not valid JSON: it starts with a single quote, which this shell passed on (cmd.exe "
+            f'does): write it in double quotes, e.g. {flag} "{text[1:-1]}"'
+        )
     try:
         return json.loads(text, parse_constant=constant)
     except RecursionError:
