@@ -189,3 +189,41 @@ def test_the_layout_plot_draws_who_holds_counts_and_the_norms_used(tmp_path):
         assert seen[label] == [row["norm"] for row in r["bug_run"]["per_rank"]]
         if hidden:
             assert not any(name in str(seen) for name in strategies.LAYOUT_BUG_NAMES)
+
+
+def test_explain_summarizes_each_kind_of_tensor_in_words_and_full_lists_every_row():
+    """--explain (the students' view): per kind of tensor, its pieces, how many ranks hold each,
+    the ranks that count them and its share of the sum of squares, against the model's own pieces
+    on every rank (the oracle: transformer.pieces and the tensors' values, not gclip.explain);
+    --explain full: one row per piece."""
+    from gclip._lab import transformer
+    from gclip.demo.layout import render_layout
+    from gclip.layout import Mesh, ranges
+
+    layout, shape = "pp=2,dp=2,tp=2", {"pp": 2, "dp": 2, "tp": 2}
+    model = transformer.Model("incidents", 0)
+    holders: dict[tuple, list[int]] = {}
+    kind_of: dict[tuple, str] = {}
+    sumsq: dict[tuple, float] = {}
+    for r in range(8):
+        for piece in transformer.pieces(Mesh((r, 8), **shape), model=model):
+            key = (piece.name, piece.part)
+            holders.setdefault(key, []).append(r)
+            kind_of[key] = piece.kind
+            sumsq[key] = math.fsum(float(v) ** 2 for v in piece.array.ravel())
+    total = math.fsum(sumsq.values())
+    opts = parse_args(["--layout", layout, "--model", "incidents", "--explain", "--ranks", "8"], None)
+    text = render_layout(run_layout_simulated(opts), opts)
+    for kind in sorted(set(kind_of.values())):
+        keys = [k for k in holders if kind_of[k] == kind]
+        copies = sorted({len(holders[k]) for k in keys})
+        counted = sorted({min(holders[k]) for k in keys})
+        share = math.fsum(sumsq[k] for k in keys) / total
+        held = f"each held by {'/'.join(map(str, copies))} ranks (identical copies), counted on one of them"
+        assert f"{kind}: {len(keys)} pieces, {held}: ranks {ranges(counted)}" in text, kind
+        assert f"{share:.1%} of the model's sum of squares" in text, kind
+    assert "about half" in text  # the tied embedding under --model incidents, in words
+    assert "rows of gclip.explain" not in text
+    full = parse_args(["--layout", layout, "--explain", "full", "--ranks", "8"], None)
+    rows = render_layout(run_layout_simulated(full), full)
+    assert f"every tensor ({len(holders)} rows of gclip.explain)" in rows  # one per piece (pp=2: no head)
