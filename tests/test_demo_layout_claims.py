@@ -77,7 +77,7 @@ CLAIMS = {
     "up to sqrt(ep) x the limit": lambda r, b: _above_bound(r, b, "ep"),
     "drift apart": lambda r, b: bool(b["drifted"]),
     "the ranks no longer hold the same model": lambda r, b: bool(b["drifted"]),
-    "grows by sqrt(1 + s)": lambda r, b: _grows_like(r, math.sqrt(1 + _share(r, "embedding"))),
+    "it grows by sqrt(1 + s)": lambda r, b: _grows_like(r, math.sqrt(1 + _share(r, "embedding"))),
     "grows by sqrt(1 + (tp - 1) d)": lambda r, b: _grows_like(
         r, math.sqrt(1 + (_axis(r, "tp") - 1) * _share(r, "tp-duplicate"))
     ),
