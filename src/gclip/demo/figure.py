@@ -193,6 +193,8 @@ def render_layout_plot(report: dict, opts: Options, path: str) -> int:
         colors[label] = col["bug"]
         factor = report["bug_run"]["clipped_norm"] / opts.limit if opts.limit > 0 else math.nan
         title = f"3. The norm each rank clipped by\n(the update: {num(factor, 4)} x the limit)"
+    elif "bug_run" in report:  # the hang: no rank got a norm from the bug's all-reduce
+        title = "3. The norm each rank clipped by\n(the bug: none, its all-reduce never completed)"
     else:
         title = "3. The norm each rank clipped by"
     plots.bars(
