@@ -345,10 +345,10 @@ LAYOUT_BUGS: tuple[LayoutBug, ...] = (
         "NeMo RL PR #3788 (TP-replicated gradients counted tp_size times); ROCm TransformerEngine "
         "PR #715 (replicated weights marked tensor-parallel: 1.36-1.52x the norm at TP=8)",
         "Layer norms and biases are whole on every TP rank: summing each rank's copy counts them tp "
-        "times, so their share is inflated: the norm grows by sqrt(1 + (tp - 1) d), d their share of "
-        "the sum of squares, and clipping fires too early. It grows with tp and with d (wider norms, "
-        "more of them): on the lab's model d is about 1%, under --model incidents 16% (1.08x at tp = 2, 1.22x at tp = 4, 1.46x at "
-        "tp = 8). The scale is the same on every rank, so the direction is kept.",
+        "times, so their share is inflated: the norm grows by sqrt(1 + (tp - 1) d), d their share of the "
+        "sum of squares, and clipping fires too early. It grows with tp and with d (wider norms, more of "
+        "them): on the lab's model d is about 1%, under --model incidents 16% (1.08x at tp = 2, 1.22x at "
+        "tp = 4, 1.46x at tp = 8). The scale is the same on every rank, so the direction is kept.",
         drop=("tp",),
     ),
     LayoutBug(
@@ -381,8 +381,9 @@ LAYOUT_BUGS: tuple[LayoutBug, ...] = (
         "The embedding and the output head are one tensor living on two stages: counting both copies "
         "adds its squares twice and inflates the norm: it grows by sqrt(1 + s), s the embedding's share "
         "of the sum of squares, which a large vocabulary makes large. On the lab's model s is about 2%, "
-        "under --model incidents 50% (1.22x); a tied weight that is the whole gradient gives sqrt(2). The scale is the "
-        "same on every rank, so the direction is kept: the gradient is clipped too hard.",
+        "under --model incidents 50% (1.22x); a tied weight that is the whole gradient gives sqrt(2). "
+        "The scale is the same on every rank, so the direction is kept: the gradient is clipped too "
+        "hard.",
         untie=True,
     ),
     LayoutBug(
