@@ -30,6 +30,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conftest import ROOT  # noqa: E402
 from conftest import mpirun as run_mpirun  # noqa: E402
 
 SEED = Path(__file__).parent / "data" / "seed_000_adec46095326f7b8.json"
@@ -283,6 +284,44 @@ def test_list_bugs_json_without_mpirun():
     ).stdout
     for b in gclip.gallery.BUGS:
         assert b.name in text and b.incident in text
+
+
+def test_list_bugs_marks_the_usage_bugs_says_where_to_see_them_and_buggy_refuses_them():
+    """Every bug --list-bugs offers to --buggy runs; the usage bugs are marked, not offered, and
+    --buggy NAME refuses them in one line that points to where they are shown (a file that exists)."""
+    listed = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "gclip.demo", "--list-bugs", "--json"], capture_output=True, text=True,
+            timeout=60,
+        ).stdout
+    )  # fmt: skip
+    usage = [b for b in listed if b["kind"] == "usage"]
+    assert [b["name"] for b in usage] == [b.name for b in gclip.gallery.USAGE_BUGS]
+    assert all(b["buggy"] is False for b in usage) and all(b["buggy"] for b in listed if b not in usage)
+    text = subprocess.run(
+        [sys.executable, "-m", "gclip.demo", "--list-bugs"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "usage bugs, not run by --buggy" in text
+    for b in usage:
+        assert re.search(rf"{b['name']} +\[usage bug\]", text)
+        see = b["see"]
+        for path in ("docs/torch.md", "tests/test_torch_usage_bugs.py"):
+            assert path in see and (ROOT / path).is_file()
+        assert "Two usage bugs of the gallery" in (ROOT / "docs" / "torch.md").read_text()
+        proc = subprocess.run(
+            [sys.executable, "-m", "gclip.demo", "--buggy", b["name"], "--ranks", "2"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and see in proc.stderr and "not of the clip" in proc.stderr
+    for b in listed:  # what is offered runs (a layout bug on its layout, simulated)
+        if b["buggy"] and b["kind"] == "combine":
+            argv = ["--buggy", b["name"], "--ranks", "2", "--json"]
+        elif b["buggy"]:
+            argv = ["--buggy", b["name"], "--layout", b["shows_on"], "--ranks", "8", "--json"]
+        else:
+            continue
+        assert demo.parse_args(argv, None).bug == b["name"]
 
 
 # ---------------------------------------------------------------------------

@@ -164,7 +164,10 @@ def test_no_hint_on_several_real_ranks():
     [
         (["--ranks", "0"], "--ranks must be between 1 and 64"),
         (["--ranks", "65"], "--ranks must be between 1 and 64"),
-        (["--ranks", "2", "--layout", "dp=2"], "--layout needs real ranks"),
+        (["--ranks", "8", "--layout", "pp=2,dp=2,tp=2", "--mystery", "6"], "from 1 to 5"),
+        (["--model", "incidents"], "--model goes with --layout"),
+        (["--buggy", "clip-before-unscale"], "tests/test_torch_usage_bugs.py"),
+        (["--buggy", "nope"], "invalid choice: 'nope'"),
         (["--ranks", "3", "--shards", "[[1], [2]]"], "2 shards for 3 ranks"),
         (["--mystery", "0"], "from 1 to 9"),
         (["--mystery", "10"], "from 1 to 9"),
@@ -262,10 +265,10 @@ def test_a_class_of_40_sees_40_different_mysteries():
 
 
 def test_the_worked_examples_keep_their_mysteries_and_numbers():
-    """The lab's documents work seed 7 (mysteries rms and double-count, norms 140, 280, 35, 70) and
-    the tutorial seed 0 (100, 400, 50, 200)."""
-    assert demo.mysteries(7)[:2] == ("rms", "double-count")
-    assert _norms(7) == pytest.approx([140.0, 280.0, 35.0, 70.0], rel=1e-12)
+    """The lab's documents work seed 43, which no student is handed (mysteries rms and double-count,
+    norms 300, 75, 600, 150), and the tutorial seed 0 (100, 400, 50, 200)."""
+    assert demo.mysteries(43)[:2] == ("rms", "double-count")
+    assert _norms(43) == pytest.approx([300.0, 75.0, 600.0, 150.0], rel=1e-12)
     assert _norms(0) == pytest.approx([100.0, 400.0, 50.0, 200.0], rel=1e-12)
 
 

@@ -49,12 +49,28 @@ def test_every_layout_gives_the_models_norm(findings):
 def test_every_bug_of_the_gallery_shows_on_a_3d_layout(findings):
     names = [b.name for b in gallery.BUGS] + [b.name for b in gallery.LAYOUT_BUGS]
     assert len(names) >= 16
-    assert sorted(findings["bugs"]) == sorted(names)
+    assert sorted(findings["bugs"]) == sorted([*names, "layout mystery"])
     silent = [name for name, how in findings["bugs"].items() if not how]
     assert not silent, f"these bugs do not show: {silent}"
     hang = findings["bugs"]["skip-collective"]
     assert hang.startswith("hang: ranks 4-7 returned without entering the all-reduce; ranks 0-3 waited")
     assert "copies drifted" in findings["bugs"]["ep-groups-apart"]
+
+
+@pytest.mark.slow
+def test_simulated_ranks_give_the_real_ranks_report(findings):
+    """Every report of the 8-rank job (5 layouts, every bug, a layout mystery) is the one --ranks 8
+    gives; and the command line's --ranks 8 prints the JSON mpirun -n 8 printed."""
+    assert findings["simulated_differs"] == []
+    for layout in ("pp=2,dp=2,tp=2", "pp=2,dp=1,tp=4"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "gclip.demo", "--layout", layout, "--ranks", "8", "--json"],
+            capture_output=True, text=True, timeout=120, env=venv_env(),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        sim, real = json.loads(proc.stdout), json.loads(findings["json"][layout])
+        assert sim.pop("simulated") is True and real.pop("simulated") is False
+        assert sim == real, layout
 
 
 def test_the_gallery_lists_every_bug_with_a_checked_incident():
@@ -126,6 +142,6 @@ def test_explain_lists_every_tensor_shard_once_with_who_counts_it():
     assert math.isclose(math.fsum(r["share"] for r in rows), 1.0, rel_tol=1e-12)
     tied = [r for r in rows if r["name"] == "embed"]
     assert tied and all(r["ranks"][0] < 2 <= r["ranks"][-1] for r in tied)  # first and last stage
-    text = mpirun(4, sys.executable, "-m", "gclip.demo", "--layout", "pp=2,tp=2", "--explain",
+    text = mpirun(4, sys.executable, "-m", "gclip.demo", "--layout", "pp=2,tp=2", "--explain", "full",
                   env=venv_env(), timeout=180)  # fmt: skip
     assert text.returncode == 0 and f"every tensor ({len(rows)} rows of gclip.explain)" in text.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ENTRY_POINTS = ["demo", "train", "conformance", "bench"]
+ENTRY_POINTS = ["demo", "train", "conformance", "bench", "classroom"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -143,6 +143,64 @@ def test_real_ranks_without_mpi_say_so_in_one_line(no_mpi, prog):
     assert f"python -m {prog} ... --ranks 4" in lines[0]
 
 
+CANNOT_LOAD = (
+    "cannot load MPI library"  # mpi4py's error where its library will not load (Windows without MS-MPI)
+)
+
+
+@pytest.fixture
+def mpi_will_not_load(tmp_path) -> dict:
+    """mpi4py is there, but its MPI library will not load: ``from mpi4py import MPI`` raises
+    RuntimeError, as mpi4py's own wheel does on a machine without an MPI library."""
+    stub = tmp_path / "stub" / "mpi4py"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "MPI.py").write_text(f"raise RuntimeError({CANNOT_LOAD!r} + ': msmpi.dll')\n")
+    env = venv_env()
+    env["PYTHONPATH"] = str(stub.parent) + os.pathsep + env["PYTHONPATH"]
+    env["NO_COLOR"] = "1"
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
+        env.pop(var, None)
+    return env
+
+
+@pytest.mark.parametrize("prog", ["gclip.demo", "gclip.train"])
+def test_an_mpi_library_that_will_not_load_suggests_ranks_in_one_line(mpi_will_not_load, prog):
+    proc = _run(mpi_will_not_load, "-m", prog)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"{prog}: error: MPI cannot be loaded (RuntimeError: {CANNOT_LOAD}: msmpi.dll); without MPI, "
+        f"simulate the ranks in this one process: python -m {prog} ... --ranks 4"
+    ]
+    simulated = _run(
+        mpi_will_not_load, "-m", prog, "--ranks", "2", *(["--steps", "2"] if "train" in prog else [])
+    )
+    assert simulated.returncode == 0 and simulated.stderr == "", simulated.stderr  # and the hint works
+
+
+NO_LAUNCHER = """
+import sys
+import gclip._lab.mpirun as m
+m.shutil.which = lambda *args, **kwargs: None  # no mpirun next to this Python, nor on PATH
+from gclip.conformance.command import main
+main(sys.argv[1:])
+"""
+
+
+def test_the_distributed_judge_without_mpirun_says_how_to_judge_without_mpi(no_mpi):
+    """No launcher is no internal error: one line, exit 2, and the way without MPI, which works."""
+    proc = _run(no_mpi, "-c", NO_LAUNCHER, "lab/distributed/my_clip.py:clip", "--ranks", "4")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "internal error" not in lines[0], proc.stderr
+    assert lines[0].startswith("gclip.conformance: error: no mpirun next to ")
+    assert "pip install mpich" in lines[0] and "Linux and macOS" in lines[0]
+    advised = lines[0].split("without MPI, judge a single-process function (no --ranks), e.g. ")[1]
+    assert advised == "python -m gclip.conformance lab/my_clip.py:clip_shards"
+    judged = _run(no_mpi, *advised.split()[1:], "--random", "5")
+    assert judged.returncode == 1 and "fingerprint: per-rank" in judged.stdout  # the starter: judged
+
+
 def test_the_single_process_judge_needs_no_mpi(no_mpi):
     proc = _run(no_mpi, "-m", "gclip.conformance", "lab/my_clip.py:clip_shards", "--random", "5")
     assert proc.returncode == 1 and proc.stderr == ""  # 1: the starter file fails, as it should

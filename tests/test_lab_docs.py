@@ -36,7 +36,9 @@ import gclip.gallery
 import train_replay
 from conftest import ROOT, OneRankComm, mpirun, venv_env
 from gclip import demo
+from gclip._lab import layout_run, transformer
 from gclip.demo import command as demo_command
+from gclip.layout import Mesh
 
 LAB = ROOT / "docs" / "lab.md"
 KEY = ROOT / "docs" / "lab-answers.md"
@@ -45,7 +47,8 @@ FILES = ROOT / "lab" / "README.md"
 DOCS = [LAB, KEY, SHEET, FILES]
 TIMEOUT = 240
 INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install"
-SEED = 7  # the documents' example seed
+SEED = 43  # the documents' example seed: no student's (they are handed 1 to 40)
+HANDED_OUT = range(1, 41)
 
 
 def blocks(path: Path, lang: str) -> list[str]:
@@ -146,9 +149,9 @@ def test_every_complete_command_in_the_prose_is_one_the_lab_runs():
         for code in re.findall(r"`([^`]*)`", path.read_text()):
             if not re.match(r"(python -m gclip\.\w+|mpirun -n \d+ python) ", code + " "):
                 continue
-            if "..." in code or re.search(r"\b(R|X|NAME|K|S)\b", code) or len(code.split()) <= 3:
+            if "..." in code or re.search(r"\b(R|X|NAME|K|S|DIR)\b", code) or len(code.split()) <= 3:
                 continue
-            assert code in RUNNABLE, (path.name, code)
+            assert code in RUNNABLE or code in windows_commands(), (path.name, code)
     # the sheet's commands are the guide's: a student's sheet never shows a command the guide lacks
     assert set(doc_commands(SHEET)) <= set(doc_commands(LAB))
 
@@ -159,7 +162,7 @@ def test_the_install_line_is_the_readmes():
     assert install == [f"{INSTALL} ."]
     assert f"{INSTALL} . " in readme  # the README's line, which goes on to run the demo
     # the plot extra, which Exercise 5's --plot needs, is named where the guide says so
-    assert "--plot" in CMD_TRAIN and "`pip install '.[plot]'`" in LAB.read_text()
+    assert "--plot" in CMD_TRAIN and '`pip install ".[plot]"`' in LAB.read_text()
     assert "'.[plot]'" in readme
     assert re.search(r"^plot = \[", (ROOT / "pyproject.toml").read_text(), flags=re.M)
 
@@ -263,13 +266,13 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-CMD_2 = "mpirun -n 2 python -m gclip.demo --shards '[[3,0],[0,4]]' --max-norm 2 --buggy"
-CMD_3 = "mpirun -n 3 python -m gclip.demo --shards '[[2,0],[0,3],[6]]' --max-norm 3.5 --buggy"
+CMD_2 = 'mpirun -n 2 python -m gclip.demo --shards "[[3,0],[0,4]]" --max-norm 2 --buggy'
+CMD_3 = 'mpirun -n 3 python -m gclip.demo --shards "[[2,0],[0,3],[6]]" --max-norm 3.5 --buggy'
 CMD_TRAIN = "mpirun -n 4 python -m gclip.train --buggy --plot train.png"
 
 
 def sqrt_r(n: int) -> str:
-    return f"mpirun -n {n} python -m gclip.demo --seed {SEED} --buggy --replicated '[]'"
+    return f'mpirun -n {n} python -m gclip.demo --seed {SEED} --buggy --replicated "[]"'
 
 
 def bug_side(text: str) -> str:
@@ -606,6 +609,105 @@ def check_5e(a, out):
 
 def check_6a(a, out):
     assert numbers(a)[0] == round(math.sqrt(8), 3)
+    parts = [np.full(3, 10.0 * (r + 1)) for r in range(8)]  # 8 disjoint parts, each far above 1
+    clipped = [x / np.linalg.norm(x) for x in parts]  # each by its own norm: each ends at 1
+    assert math.sqrt(math.fsum(float(x @ x) for x in clipped)) == pytest.approx(math.sqrt(8), rel=1e-12)
+    sheet = flat(SHEET.read_text())
+    assert "each hold a different part of the gradient" in sheet and "no rank holds the whole" in sheet
+
+
+def check_6b(a, out):
+    """Under DDP every rank holds the same whole gradient: per-rank clipping is the global clip."""
+    assert a.startswith("right") and "at most 1" in a
+    whole_grad = np.random.default_rng(6).standard_normal(50) * 3
+    per_rank = gclip.clip_simulated([[whole_grad.copy()] for _ in range(8)], 1.0, mode="per-rank",
+                                    replicated=[True])  # fmt: skip
+    want = whole_grad * min(
+        1.0, 1.0 / float(np.sqrt(np.sum(whole_grad**2)))
+    )  # the clip of the whole, by hand
+    for res in per_rank:
+        np.testing.assert_allclose(res.grads[0], want, rtol=1e-15)
+    assert float(np.linalg.norm(want)) == pytest.approx(1.0, rel=1e-12)
+    assert "DDP" in SHEET.read_text() and "DDP" in LAB.read_text()
+
+
+# the extension: the lab's transformer under --model incidents, the oracle from its definition
+LAYOUT = "pp=2,dp=2,tp=2"
+CMD_EXPLAIN = f"python -m gclip.demo --layout {LAYOUT} --model incidents --explain --ranks 8"
+CMD_TIED = (
+    f"python -m gclip.demo --layout {LAYOUT} --model incidents --buggy tied-counted-twice --plot layout.png "
+    "--ranks 8"
+)
+
+
+def layout_mystery_cmd(k: int, seed: int = SEED) -> str:
+    return f"python -m gclip.demo --layout {LAYOUT} --model incidents --seed {seed} --mystery {k} --ranks 8"
+
+
+def _sumsq(seed: int = 0, names=None) -> float:
+    """The model's sum of squares from its definition (each tensor whole, once), or of some tensors."""
+    model = transformer.Model("incidents", seed)
+    shapes = transformer.model_shapes(ep=False)
+    return math.fsum(
+        float(v) ** 2
+        for n, s in shapes.items()
+        if names is None or n in names
+        for v in transformer.full_tensor(n, s, model=model).ravel()
+    )
+
+
+def _stage(stage: int) -> list[str]:
+    """The tensors of pipeline stage ``stage`` of 2: the embedding on both, half the layers each."""
+    names = ["embed"] + [n for n in transformer.model_shapes(ep=False) if n.startswith("layers.")]
+    half = transformer.LAYERS // 2
+    keep = [n for n in names if n == "embed" or stage * half <= int(n.split(".")[1]) < (stage + 1) * half]
+    return keep + (["final_ln"] if stage == 1 else [])
+
+
+def check_7a(a, out):
+    holders: dict[tuple, list[int]] = {}
+    for r in range(8):
+        for piece in transformer.pieces(Mesh((r, 8), pp=2, dp=2, tp=2)):
+            if piece.name == "embed":
+                holders.setdefault(piece.part, []).append(r)
+    assert len(holders) == 2 and all(len(rs) == 4 for rs in holders.values())
+    counted = sorted(min(rs) for rs in holders.values())  # a group counts on its first member
+    assert counted == [0, 1] and "2 pieces" in a and "4 ranks" in a and "ranks 0 and 1" in a
+    line = (
+        "tied embedding: 2 pieces, each held by 4 ranks (identical copies), counted on one of them: ranks 0-1"
+    )
+    assert line in out(CMD_EXPLAIN)
+
+
+def check_7b(a, out):
+    total, embed = _sumsq(), _sumsq(names={"embed"})
+    assert embed / total == pytest.approx(0.5, rel=1e-12)
+    factor = math.sqrt(1 + embed / total)
+    assert has(a, factor, digits=4) and has(a, 0.5 * 100, digits=3)
+    bug, true = math.sqrt(total + embed), math.sqrt(total)
+    assert has(a, bug, true, digits=6)
+    text = out(CMD_TIED)
+    assert f"{bug:.6g} -> " in text and f"global norm {true:.6g}" in text
+    assert f"{factor:.4g} x the true one" in text
+
+
+def check_7c(a, out):
+    name = demo.layout_mysteries(SEED, {"pp": 2, "dp": 2, "tp": 2})[0]
+    assert name == "pp-stages-apart" and a.startswith(name)
+    stages = [math.sqrt(_sumsq(SEED, set(_stage(s)))) for s in (0, 1)]
+    true = math.sqrt(_sumsq(SEED))
+    assert has(a, *stages, true, digits=6) and "0-3" in a and "4-7" in a
+    text = out(layout_mystery_cmd(1))
+    assert f"{stages[0]:.6g} -> " in text and f"{stages[1]:.6g} -> " in text and name not in text
+
+
+def check_7d(a, out):
+    name = demo.layout_mysteries(SEED, {"pp": 2, "dp": 2, "tp": 2})[1]
+    assert name == "dp-replicas-summed" and a.startswith(name)
+    true = math.sqrt(_sumsq(SEED))
+    assert has(a, math.sqrt(2) * true, true, digits=6)
+    text = out(layout_mystery_cmd(2))
+    assert f"{math.sqrt(2) * true:.6g} -> " in text and name not in text
 
 
 CHECKS = {name[len("check_") :]: fn for name, fn in list(globals().items()) if name.startswith("check_")}
@@ -711,10 +813,10 @@ def test_the_direction_rule_of_the_key_is_what_each_mystery_does():
             assert cos < 0.999
         elif name == "fp16-sumsq":
             assert cos is None
-            assert demo.mysteries(SEED)[2] == "fp16-sumsq"
+            k = demo.mysteries(SEED).index("fp16-sumsq") + 1
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                demo_command._main(["--ranks", "4", "--seed", str(SEED), "--mystery", "3"], OneRankComm())
+                demo_command._main(["--ranks", "4", "--seed", str(SEED), "--mystery", str(k)], OneRankComm())
             text = buf.getvalue()
             assert re.search(r"cosine with the original +1\.000000 +undefined", text)
         else:
@@ -748,3 +850,235 @@ def test_the_keys_seed_7_numbers_are_what_each_mystery_uses():
         used = demo_json("--ranks", "4", "--seed", str(SEED), "--mystery", str(k))["norms_used"]
         shown = [math.inf if u == "inf" else u for u in used]
         assert [f"{x:.6g}" for x in shown[: len(want)]] == [f"{x:.6g}" for x in want], name
+
+
+# ---------------------------------------------------------------------------
+# no student's answer on the page
+
+
+def _demo_argv(cmd: str) -> tuple[list[str], int] | None:
+    """A demo command of the documents as (argv without --ranks, rank count), or None."""
+    words = shlex.split(cmd)
+    ranks = 1
+    if words[0] == "mpirun":
+        ranks, words = int(words[2]), words[3:]
+    if words[1:3] != ["-m", "gclip.demo"]:
+        return None
+    argv = words[3:]
+    if "--plot" in argv:  # the figure is not the question here (nor written into the repository)
+        i = argv.index("--plot")
+        argv = argv[:i] + argv[i + 2 :]
+    if "--ranks" in argv:
+        i = argv.index("--ranks")
+        ranks = int(argv[i + 1])
+        argv = argv[:i] + argv[i + 2 :]
+    return argv, ranks
+
+
+def _what_the_bug_printed(argv: list[str], ranks: int) -> tuple | None:
+    """The numbers a bug's run shows (its data, the norms used, the scales), or None: no bug ran."""
+    if "--list-bugs" in argv:
+        return None
+    report = demo_json(*argv, "--ranks", str(ranks))
+    if "bug_run" in report:  # a layout
+        b = report["bug_run"]
+        model = report["model"]["proportions"]
+        return ("layout", report["layout"], model, report["model_norm"], repr(b["norms"]), repr(b["scales"]))
+    if report["mode"] == "global":
+        return None
+    return (ranks, report["true_global_norm"], repr(report["norms_used"]), repr(report["scales"]))
+
+
+def _handed_out_mysteries(ranks: int, layouts: set[tuple[str, str]]) -> dict[tuple, str]:
+    """What every mystery of seeds 1 to 40 prints on ``ranks`` ranks (and on each (layout, model))."""
+    shown = {}
+    for seed in HANDED_OUT:
+        for k in range(1, len(demo.MYSTERY_POOL) + 1):
+            argv = ["--seed", str(seed), "--mystery", str(k)]
+            shown[_what_the_bug_printed(argv, ranks)] = f"seed {seed} mystery {k}"
+        for layout, model in sorted(layouts):  # every layout run prints its model's norm: the seed's
+            norm = layout_run.true_norm("ep" in layout, 2.0, transformer.Model(model, seed))
+            shown[("layout", layout, model, norm)] = f"seed {seed}'s layout mysteries"
+    return shown
+
+
+def test_no_command_of_the_guide_or_the_sheet_prints_a_handed_out_seeds_mystery():
+    """Every bug run of lab.md and the worksheet, against every mystery of seeds 1 to 40 (run here
+    on the same ranks): none prints the same numbers, so no student finds an answer on the page.
+    The check itself catches the old worksheet's line (seed 7 is handed out; rms is its mystery 1)."""
+    runs = [_demo_argv(c) for c in dict.fromkeys(doc_commands(LAB) + doc_commands(SHEET))]
+    runs = [r for r in runs if r is not None]
+    printed = {}
+    for argv, ranks in runs:
+        what = _what_the_bug_printed(argv, ranks)
+        if what is not None:
+            printed[shlex.join(argv)] = (what, ranks)
+    assert len(printed) >= 4  # the bug runs of Exercises 1 to 3 at least
+    by_ranks: dict[int, dict] = {}
+    for _, ranks in printed.values():
+        layouts = {(w[1], w[2]) for w, r in printed.values() if r == ranks and w[0] == "layout"}
+        if ranks not in by_ranks:
+            by_ranks[ranks] = _handed_out_mysteries(ranks, layouts)
+    for cmd, (what, ranks) in printed.items():
+        key = what[:4] if what[0] == "layout" else what  # a layout's: its model's norm, from the seed
+        assert key not in by_ranks[ranks], (cmd, by_ranks[ranks].get(key))
+    old_line = _what_the_bug_printed(["--seed", "7", "--buggy", "rms"], 4)
+    assert by_ranks[4][old_line] == "seed 7 mystery 1"  # the check catches the old worksheet's line
+    layout = ["--layout", LAYOUT, "--model", "incidents", "--seed", "7", "--mystery", "1"]
+    assert _what_the_bug_printed(layout, 8)[:4] in by_ranks[8]  # and a handed-out layout mystery
+    for path in (LAB, SHEET):  # and no self-check names a bug: it says NAME
+        for cmd in doc_commands(path):
+            if "--buggy" in shlex.split(cmd):
+                after = shlex.split(cmd)[shlex.split(cmd).index("--buggy") + 1 :]
+                assert not after or after[0] not in demo.MYSTERY_POOL, (path.name, cmd)
+
+
+def test_the_keys_layout_grading_table_is_every_seeds_pair():
+    """The key's seeds -> (layout mystery 1, 2) rows are what the demo runs for seeds 1 to 40; side
+    by side seeds share no bug; a hidden run prints its bug's numbers (a sample of seeds, simulated)."""
+    rows = re.findall(r"^\| ((?:\d+, )+\d+) \| ([a-z0-9-]+), ([a-z0-9-]+) \|$", KEY.read_text(), flags=re.M)
+    table = {int(s): (a, b) for seeds, a, b in rows for s in seeds.split(", ")}
+    axes = {"pp": 2, "dp": 2, "tp": 2}
+    assert sorted(table) == list(HANDED_OUT)
+    for seed, pair in table.items():
+        assert demo.layout_mysteries(seed, axes)[:2] == pair, seed
+        assert not set(pair) & set(demo.layout_mysteries(seed + 1, axes)[:2]), seed
+    pool = {n for pair in table.values() for n in pair}
+    assert pool == {n for n in demo.LAYOUT_MYSTERY_POOL if n not in ("ep-groups-apart", "experts-left-out")}
+    for seed in (1, 2, 3):
+        for k, name in enumerate(table[seed], start=1):
+            common = ["--layout", LAYOUT, "--model", "incidents", "--seed", str(seed), "--ranks", "8"]
+            hidden, named = demo_json(*common, "--mystery", str(k)), demo_json(*common, "--buggy", name)
+            assert hidden["bug_run"]["norms"] == named["bug_run"]["norms"]
+            assert "bug" not in hidden and hidden["mode"] == f"mystery-{k}"
+
+
+# ---------------------------------------------------------------------------
+# Windows: the guide's block for cmd.exe and PowerShell
+
+
+WINDOWS_INSTALL = ["python -m venv .venv", ".venv\\Scripts\\activate", "pip install ."]
+
+
+def windows_commands() -> list[str]:
+    block = blocks(LAB, "bat")[1]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_windows_install_is_the_venv_activate_line_and_pyprojects_platforms():
+    (install,) = blocks(LAB, "bat")[:1]
+    assert install.splitlines() == WINDOWS_INSTALL  # the activate line of a venv on Windows
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    # what the guide says: the mpich wheel (mpirun) is installed on Linux and macOS only
+    assert re.search(r"\"mpich[^\"]*; sys_platform == 'linux' or sys_platform == 'darwin'\"", pyproject)
+    guide = flat(LAB.read_text())
+    assert "the `mpich` wheel on Linux and macOS only" in guide
+
+
+@pytest.mark.slow
+def test_every_windows_command_runs_without_mpirun_or_single_quotes(out_dir):
+    """Each command of the Windows block has no mpirun and no single quote (cmd.exe passes them on),
+    and runs as typed, each demo or trainer one on simulated ranks; each is one of the lab's, but
+    with --ranks where the lab says mpirun."""
+    cmds = windows_commands()
+    assert len(cmds) >= 6
+    lab = {tuple(shlex.split(simulated(c) or c)) for c in RUNNABLE}
+    for cmd in cmds:
+        assert "mpirun" not in cmd and "'" not in cmd, cmd
+        words = shlex.split(cmd)
+        assert words[:2] == ["python", "-m"], cmd
+        if words[2] != "gclip.conformance":
+            assert "--ranks" in words, cmd
+        proc = run(cmd, out_dir)
+        assert proc.returncode == expected_status(cmd), (cmd, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    others = [c for c in cmds if tuple(shlex.split(c)) not in lab]
+    assert others == ["python -m gclip.train --buggy --ranks 4"], others  # the lab's, without --plot
+
+
+def test_single_quoted_json_as_cmd_exe_passes_it_is_refused_with_the_double_quoted_form():
+    with pytest.raises(demo_command_usage_error(), match=re.escape('--shards "[[3,0],[0,4]]"')):
+        demo.parse_args(["--shards", "'[[3,0],[0,4]]'", "--ranks", "2"], None)
+    assert demo.parse_args(["--shards", "[[3,0],[0,4]]", "--ranks", "2"], None).shards == [[3, 0], [0, 4]]
+
+
+def demo_command_usage_error():
+    from gclip._lab.cli import UsageError
+
+    return UsageError
+
+
+# ---------------------------------------------------------------------------
+# the troubleshooting table: each message it quotes is one a tool prints
+
+
+SHELL_MESSAGES = {"mpirun: command not found"}  # the shell's, not a tool's
+
+
+def _stub_env(tmp_path: Path, module: str, code: str) -> dict:
+    stub = tmp_path / f"stub-{module}" / module
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(code)
+    env = {**venv_env(), "NO_COLOR": "1"}
+    env["PYTHONPATH"] = str(stub.parent) + os.pathsep + env["PYTHONPATH"]
+    return env
+
+
+def _tool(argv: list[str], env: dict | None = None, cwd: Path = ROOT) -> str:
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env or venv_env(),
+        cwd=cwd,
+    )
+    return proc.stdout + proc.stderr
+
+
+NO_LAUNCHER = (
+    "import sys, gclip._lab.mpirun as m; m.shutil.which = lambda *a, **k: None; "
+    "from gclip.conformance.command import main; main(sys.argv[1:])"
+)
+
+
+def _what_prints(message: str, tmp_path: Path) -> str:
+    """The output of the tool run that the table's row is about."""
+    if message == "MPI cannot be loaded":
+        env = _stub_env(
+            tmp_path, "mpi4py", "raise ImportError('libmpi.so.12: cannot open shared object file')\n"
+        )
+        return _tool(["-m", "gclip.demo"], env)
+    if message.startswith("--ranks simulates"):  # started as one of 4 ranks (the launcher's environment)
+        return _tool(["-m", "gclip.demo", "--ranks", "4"], {**venv_env(), "PMI_RANK": "0", "PMI_SIZE": "4"})
+    if message == "this ran on 1 rank":
+        return _tool(["-m", "gclip.demo"])
+    if message.startswith("not valid JSON"):
+        return _tool(["-m", "gclip.demo", "--shards", "'[[3,0],[0,4]]'", "--ranks", "2"])
+    if message.startswith("plots need matplotlib"):
+        env = _stub_env(tmp_path, "matplotlib", "raise ImportError('no matplotlib')\n")
+        return _tool(["-m", "gclip.demo", "--ranks", "2", "--plot", str(tmp_path / "x.png")], env)
+    if message.startswith("error: no such file"):
+        return _tool(["-m", "gclip.conformance", "lab/my_clip.py:clip_shards"], cwd=tmp_path)
+    if message.startswith("started as one of"):
+        env = {**venv_env(), "PMI_RANK": "0", "PMI_SIZE": "4"}
+        return _tool(["-m", "gclip.conformance", "lab/my_clip.py:clip_shards"], env)
+    if message.startswith("no mpirun next to"):
+        return _tool(["-c", NO_LAUNCHER, "lab/distributed/my_clip.py:clip", "--ranks", "4"])
+    raise AssertionError(f"the troubleshooting table quotes {message!r}: add how to make a tool print it")
+
+
+def test_the_troubleshooting_tables_messages_are_the_tools_own(tmp_path):
+    text = LAB.read_text()
+    table = text[text.index("## Troubleshooting") :].split("\n\n")[1]
+    quoted = []
+    for row in table.splitlines()[2:]:
+        symptom = row.split(" | ")[0]
+        quoted += [q for q in re.findall(r"`([^`]+)`", symptom) if " " in q and not q.startswith("mpirun -n")]
+    assert len(quoted) >= 8
+    for message in quoted:
+        if message in SHELL_MESSAGES:
+            continue
+        printed = flat(_what_prints(message, tmp_path))
+        assert message in printed, (message, printed[-500:])
+        assert "Traceback" not in printed

@@ -1,8 +1,9 @@
 """docs/tutorial.md quotes the demo on the default data (--seed 0): its excerpts and its gallery table
 must be what the demo prints today, so that the tutorial's numbers stay reproducible.
 
-- each ``text`` block that starts with ``$ mpirun -n R ...`` (R <= 4; the 8-rank layout runs are
-  tests of their own) is run through conftest.mpirun; its lines must appear in the output in order
+- each ``text`` block that starts with ``$ mpirun -n R ...`` is run through conftest.mpirun (R <= 4),
+  or for the 8-rank layout runs with ``--ranks R`` instead (simulated ranks: the same report, as
+  test_demo_layout.py checks against mpirun -n 8); its lines must appear in the output in order
   (``...`` skips; the host column of table 1 is the machine's own name, so it is left out);
 - the gallery table's numbers are checked against ``--buggy NAME --json`` on 4 simulated ranks, and
   its norms against hand arithmetic on the shards' norms 100, 400, 50, 200 and the bias' 50.
@@ -16,6 +17,7 @@ import json
 import math
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -31,7 +33,7 @@ def excerpts() -> list[tuple[str, list[str]]]:
     out = []
     for block in re.findall(r"^```text\n(.*?)^```", TUTORIAL.read_text(), flags=re.S | re.M):
         first, *lines = block.splitlines()
-        if first.startswith("$ mpirun -n ") and int(first.split()[3]) <= 4:
+        if first.startswith("$ mpirun -n ") and (int(first.split()[3]) <= 4 or "--layout" in first):
             out.append((first[2:], lines))
     return out
 
@@ -49,7 +51,17 @@ def test_the_tutorial_has_excerpts_to_check():
 def test_every_excerpt_is_what_the_demo_prints(cmd, lines):
     words = shlex.split(cmd)
     assert words[3] == "python"
-    proc = mpirun(int(words[2]), sys.executable, *words[4:], timeout=120, env={**venv_env(), "NO_COLOR": "1"})
+    env = {**venv_env(), "NO_COLOR": "1"}
+    if int(words[2]) > 4:  # a layout on 8 ranks: simulated
+        proc = subprocess.run(
+            [sys.executable, *words[4:], "--ranks", words[2]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    else:
+        proc = mpirun(int(words[2]), sys.executable, *words[4:], timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     printed = [no_host(line) for line in proc.stdout.splitlines()]
     at = 0

@@ -14,7 +14,9 @@
 - MPI is loaded only when real ranks are needed: ``--help``, ``--list-bugs``
   and ``--ranks R`` (simulated ranks) work where mpi4py cannot be imported
   (no MPI library on the machine); a run that needs MPI there says so in one
-  line (``mpi_world``) and suggests ``--ranks R``.
+  line (``mpi_world``) and suggests ``--ranks R``; so does a tool that finds
+  no mpirun to start (``internal_error``: the judge's own job), in the same
+  words (``without_mpi``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, NoReturn
 
 from .. import _validate
 from ..errors import GclipError, exception_line
+from .mpirun import MpirunNotFound
 
 __all__ = [
     "INTERRUPTED",
@@ -44,6 +47,7 @@ __all__ = [
     "parse_max_norm",
     "rank_size",
     "say",
+    "without_mpi",
 ]
 
 INTERRUPTED = 130  # the shell's code for Ctrl-C (128 + SIGINT)
@@ -147,28 +151,45 @@ def abort_job(prog: str, exc: BaseException) -> NoReturn:
 SIMULATED_HINT = 4  # the rank count the no-MPI error suggests
 
 
+def without_mpi(prog: str) -> str:
+    """The one hint every lab command gives where MPI cannot be loaded or mpirun is missing."""
+    if prog == "gclip.conformance":  # the judge's --ranks starts real ranks: judge in one process
+        return (
+            "without MPI, judge a single-process function (no --ranks), e.g. "
+            "python -m gclip.conformance lab/my_clip.py:clip_shards"
+        )
+    return (
+        f"without MPI, simulate the ranks in this one process: python -m {prog} ... --ranks {SIMULATED_HINT}"
+    )
+
+
 def mpi_world(prog: str) -> Any:
     """MPI's COMM_WORLD, or a one-line UsageError when MPI cannot be loaded.
 
     mpi4py (and the MPI library under it) is imported here, only when real
-    ranks are needed. Where it cannot be (no MPI library, as on Windows
-    without MPI), the error says what failed and how to run without MPI.
+    ranks are needed. Where it cannot be (mpi4py missing: ImportError; no MPI
+    library, as on Windows without MPI: mpi4py's RuntimeError "cannot load MPI
+    library"), the error says what failed and how to run without MPI.
     """
     try:
         from mpi4py import MPI
-    except ImportError as exc:
-        raise UsageError(
-            f"MPI cannot be loaded ({exception_line(exc)}); without MPI, simulate the ranks in this "
-            f"one process: python -m {prog} ... --ranks {SIMULATED_HINT}"
-        ) from None
+    except (ImportError, RuntimeError, OSError) as exc:
+        raise UsageError(f"MPI cannot be loaded ({exception_line(exc)}); {without_mpi(prog)}") from None
     return MPI.COMM_WORLD
 
 
 def internal_error(prog: str, exc: BaseException) -> int:
-    """A fault of a single-process tool whose exit 1 has a meaning of its own: exit 3."""
+    """A fault of a single-process tool whose exit 1 has a meaning of its own: exit 3.
+
+    No launcher (mpirun missing) is no fault of the tool: one line with the way
+    without MPI, exit 2, as for a usage error.
+    """
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED
+    if isinstance(exc, MpirunNotFound):
+        print(f"{prog}: error: {exc}; {without_mpi(prog)}", file=sys.stderr, flush=True)
+        return 2
     print(f"{prog}: internal error: {exception_line(exc)}", file=sys.stderr, flush=True)
     return 3
 

@@ -22,12 +22,20 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import gallery
-from ..clip import clip_by_global_norm, clip_with_norm, global_norm
+from ..clip import clip_by_global_norm, clip_simulated, clip_with_norm, global_norm
 from ..engine import HEADER_SIZE
-from ..layout import Mesh
+from ..layout import Group, Mesh, ranges
 from . import transformer
 
-__all__ = ["RankClip", "bug_names", "clip_model", "frozen_ranks", "true_norm"]
+__all__ = [
+    "RankClip",
+    "bug_names",
+    "clip_model",
+    "clip_model_simulated",
+    "counts_here",
+    "frozen_ranks",
+    "true_norm",
+]
 
 WATCHDOG_S = 2.0  # how long the ranks wait for a skipped all-reduce before they say so
 
@@ -67,17 +75,14 @@ def clip_model(
     norm_type: float = 2.0,
     reproducible: bool = False,
     dtype: Any = np.float64,
+    model: transformer.Model = transformer.LAB,
 ) -> RankClip:
     """Clip this rank's part of the model, in place, correctly or with ``bug``.
 
     Collective over ``mesh.comm``: every rank calls it with the same arguments.
     """
-    layout_bug = gallery.LAYOUT_BUG_NAMES.get(bug or "")
-    mode = bug if bug in gallery.STRATEGIES else "global"
-    placements = None
-    if layout_bug is not None:
-        placements = {pl: layout_bug.declare(pl) for pl in transformer.PLACEMENTS}
-    arrays, entries, _, pieces = transformer.clip_arguments(mesh, dtype, placements)
+    layout_bug, mode, placements = _bug_parts(bug)
+    arrays, entries, _, pieces = transformer.clip_arguments(mesh, dtype, placements, model)
     comm = _clip_comm(mesh, layout_bug)
     held = sum(p.array.size for p in pieces)
     kwargs = dict(norm_type=norm_type, reproducible=reproducible, replicated=entries)
@@ -97,8 +102,107 @@ def clip_model(
         counted = sum(arrays[i].size for i in set(kept))
         return RankClip(mesh.rank, mesh.coords, norm, scale, counted, held, pieces, "")
     result = gallery.clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
-    counted = sum(p.array.size for p in pieces if p.replicated is False or _counts_here(p.replicated))
+    counted = sum(p.array.size for p in pieces if p.replicated is False or counts_here(p.replicated))
     return RankClip(mesh.rank, mesh.coords, result.total_norm, result.scale, counted, held, pieces, "")
+
+
+def _bug_parts(bug: str | None) -> tuple[gallery.LayoutBug | None, str, Any]:
+    """(the layout bug or None, the engine's mode, the placements the bug declares or None)."""
+    layout_bug = gallery.LAYOUT_BUG_NAMES.get(bug or "")
+    mode = bug if bug in gallery.STRATEGIES else "global"
+    placements = None
+    if layout_bug is not None:
+        placements = {pl: layout_bug.declare(pl) for pl in transformer.PLACEMENTS}
+    return layout_bug, mode, placements
+
+
+def clip_model_simulated(
+    shape: dict[str, int],
+    max_norm: float,
+    *,
+    bug: str | None = None,
+    norm_type: float = 2.0,
+    reproducible: bool = False,
+    dtype: Any = np.float64,
+    model: transformer.Model = transformer.LAB,
+) -> list[RankClip]:
+    """:func:`clip_model` on every rank of a simulated mesh of ``shape``, in this one process.
+
+    The same engine and the same arguments as on real ranks (``gclip.clip_simulated``:
+    the all-reduce is a sum over a list), so the numbers are the same. A bug that reduces
+    over one slice of the world clips each slice apart; the hang bug cannot hang here:
+    the ranks that would wait are named instead.
+    """
+    size = math.prod(shape.values())
+    meshes = [Mesh((r, size), **shape) for r in range(size)]
+    layout_bug, mode, placements = _bug_parts(bug)
+    args = [transformer.clip_arguments(m, dtype, placements, model) for m in meshes]
+    held = [sum(p.array.size for p in a[3]) for a in args]
+    kwargs = dict(norm_type=norm_type, reproducible=reproducible)
+
+    def done(r: int, norm: Any, scale: Any, counted: int, note: str = "") -> RankClip:
+        return RankClip(r, meshes[r].coords, norm, scale, counted, held[r], args[r][3], note)
+
+    if layout_bug is not None and layout_bug.skips_collective:
+        frozen = frozen_ranks(meshes[0])
+        rest = [r for r in range(size) if r not in frozen]
+        note = (
+            f"{'rank' if len(frozen) == 1 else 'ranks'} {ranges(frozen)} returned without entering the "
+            f"all-reduce; {'rank' if len(rest) == 1 else 'ranks'} {ranges(rest)} would wait in it "
+            "forever (simulated ranks: on real ones the demo's watchdog ends the wait)"
+        )
+        return [done(r, None, None, 0, note) for r in range(size)]
+    if layout_bug is not None and layout_bug.omit in shape:
+        kept = [[i for i in range(len(a[0])) if not _omitted(layout_bug, i, a[3])] for a in args]
+        results = clip_simulated(
+            [[a[0][i] for i in k] for a, k in zip(args, kept)],
+            max_norm,
+            replicated=[[a[1][i] for i in k] for a, k in zip(args, kept)],
+            **kwargs,
+        )
+        out = []
+        for r, (a, k, res) in enumerate(zip(args, kept, results)):
+            clip_with_norm(a[0], max_norm, res.total_norm, inplace=True)
+            scale = gallery.GLOBAL.scale(res.total_norm, max_norm)
+            out.append(done(r, res.total_norm, scale, sum(a[0][i].size for i in set(k))))
+        return out
+    slices: dict[int, list[int]] = {}  # the ranks that reduce together: the world, or (a bug) slices
+    for r, m in enumerate(meshes):
+        apart = layout_bug.apart if layout_bug is not None and layout_bug.apart in shape else None
+        slices.setdefault(m.coords[apart] if apart else 0, []).append(r)
+    found: dict[int, Any] = {}
+    for members in slices.values():
+        results = gallery.clip_simulated(
+            [args[r][0] for r in members],
+            max_norm,
+            mode=mode,
+            inplace=True,
+            replicated=[_within(args[r][1], members, size) for r in members],
+            **kwargs,
+        )
+        found.update(zip(members, results))
+    return [
+        done(
+            r,
+            found[r].total_norm,
+            found[r].scale,
+            sum(p.array.size for p in args[r][3] if p.replicated is False or counts_here(p.replicated)),
+        )
+        for r in range(size)
+    ]
+
+
+def _within(entries: list, members: list[int], size: int) -> list:
+    """A rank's entries with each simulated group renumbered to the ranks of its slice (which holds
+    all the group's members); one new group per group, so that an array passed twice (the tied
+    head) keeps one entry."""
+    if len(members) == size:
+        return entries
+    renumbered: dict[int, Any] = {}
+    for e in entries:
+        if isinstance(e, Group) and id(e) not in renumbered:
+            renumbered[id(e)] = Group(tuple(members.index(m) for m in e.members), e.rank)
+    return [renumbered.get(id(e), e) for e in entries]
 
 
 def _omitted(bug: gallery.LayoutBug, index: int, pieces: list) -> bool:
@@ -108,7 +212,8 @@ def _omitted(bug: gallery.LayoutBug, index: int, pieces: list) -> bool:
     return bug.omit in piece.placement.sharded
 
 
-def _counts_here(entry: Any) -> bool:
+def counts_here(entry: Any) -> bool:
+    """Whether this rank counts an array whose replicated= entry is ``entry`` (a group's rank 0)."""
     return entry is True or (entry is not None and entry.Get_rank() == 0)
 
 
@@ -151,8 +256,6 @@ def _skip_collective(
     else:
         watched.finish()
     reports.Free()
-    from ..layout import ranges
-
     note = (
         f"{'rank' if len(skipped) == 1 else 'ranks'} {ranges(skipped)} returned without entering the "
         f"all-reduce; {'rank' if len(waited) == 1 else 'ranks'} {ranges(waited)} waited "
@@ -201,10 +304,10 @@ class _WatchedComm:
             self._pending = None
 
 
-def true_norm(ep: bool, norm_type: float = 2.0) -> float:
+def true_norm(ep: bool, norm_type: float = 2.0, model: transformer.Model = transformer.LAB) -> float:
     """The model's norm from its definition alone (every tensor whole, once): the oracle."""
     values = [
-        np.abs(transformer.full_tensor(name, shape)).ravel()
+        np.abs(transformer.full_tensor(name, shape, model=model, ep=ep)).ravel()
         for name, shape in transformer.model_shapes(ep).items()
     ]
     if math.isinf(norm_type):

@@ -47,7 +47,9 @@ def find_mpirun() -> str:
     here = os.path.dirname(sys.executable)
     exe = shutil.which("mpirun", path=here) or shutil.which("mpirun")
     if exe is None:
-        raise MpirunNotFound(f"no mpirun next to {sys.executable} nor on PATH (pip install mpich)")
+        raise MpirunNotFound(
+            f"no mpirun next to {sys.executable} nor on PATH (on Linux and macOS: pip install mpich)"
+        )
     return exe
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .cli import UsageError
 
-__all__ = ["COLORS", "MISSING", "bars", "figure", "lines", "require", "save"]
+__all__ = ["COLORS", "MISSING", "bars", "figure", "finish", "lines", "require", "save"]
 
 MISSING = "plots need matplotlib, which is not installed: pip install 'gclip[plot]'"
 
@@ -93,7 +93,7 @@ def bars(
         ax.set_ylim(min(values) / 3, top * 30)  # room for the legend above the bars
     elif top > 0:
         ax.set_ylim(0, top * 1.35)
-    _finish(ax, title, ylabel)
+    finish(ax, title, ylabel)
 
 
 def lines(
@@ -118,10 +118,11 @@ def lines(
     ax.set_xlabel(xlabel)
     if log and _log_ok([v for ys in series.values() for v in ys]):
         ax.set_yscale("log")
-    _finish(ax, title, ylabel)
+    finish(ax, title, ylabel)
 
 
-def _finish(ax: Any, title: str, ylabel: str) -> None:
+def finish(ax: Any, title: str, ylabel: str) -> None:
+    """A panel's title, y label, grid and legend, the same on every figure."""
     ax.set_title(title, fontsize=11)
     ax.set_ylabel(ylabel)
     ax.grid(axis="y", alpha=0.3)

@@ -15,12 +15,21 @@ the tests). Its parameters are what real layouts shard and copy:
 
 Layers are split evenly over the pp stages. Every rank of a dp (and, for the
 dense part, ep) group holds the same copies. Each tensor's values depend only
-on its name and element index, so the model's gradient is the same for every
-layout of the world: its norm is a property of the model, not of the layout.
+on its name and element index (and the :class:`Model` setting), so the model's
+gradient is the same for every layout of the world: its norm is a property of
+the model, not of the layout.
+
+:class:`Model` picks the values: ``seed`` (0: the lab's model; any other: values
+of its own, for a student's layout mystery) and ``proportions``. ``"lab"``
+leaves every value N(0, SCALE); ``"incidents"`` rescales each kind of tensor so
+that the tied embedding holds half of the norm**2 and the tp-duplicated norms
+16%, the proportions of the incidents the gallery cites, where counting a
+tensor twice moved the norm by 1.2x to 1.5x (see :data:`SHARES`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -31,7 +40,20 @@ import numpy as np
 from ..errors import GclipValueError
 from ..layout import Mesh, Placement
 
-__all__ = ["LAYERS", "PLACEMENTS", "Piece", "clip_arguments", "full_tensor", "model_shapes", "pieces"]
+__all__ = [
+    "LAB",
+    "LAYERS",
+    "PLACEMENTS",
+    "PROPORTIONS",
+    "SHARES",
+    "Model",
+    "Piece",
+    "clip_arguments",
+    "full_tensor",
+    "kind_of",
+    "model_shapes",
+    "pieces",
+]
 
 # sizes divisible by 1, 2, 3, 4 (and tp = 6, 8): any small world has layouts on every axis
 HIDDEN = 24
@@ -40,6 +62,23 @@ VOCAB = 48
 LAYERS = 12  # split evenly over pp = 1, 2, 3, 4, 6 stages
 EXPERTS = 12  # spread evenly over ep = 1, 2, 3, 4, 6 ranks
 SCALE = 2.0  # N(0, SCALE) values: large enough that a rank's float16 sum of squares overflows
+
+
+class Model(NamedTuple):
+    """Which values the model's tensors hold (their shapes are the same for every setting)."""
+
+    proportions: str = "lab"  # one of PROPORTIONS
+    seed: int = 0
+
+
+LAB = Model()
+# the share of the model's norm**2 each kind of tensor holds under "incidents" (the rest: "other").
+# Counting a share s twice multiplies the norm by sqrt(1 + s): the tied embedding's 0.5 gives 1.22x
+# on any pipeline (Megatron-LM PR #7227 reported 1.41x, the weight counted twice being the whole
+# norm there); tp copies of a share d give sqrt(1 + (tp - 1) d): 1.08x at tp = 2, 1.22x at tp = 4,
+# 1.46x at tp = 8 (ROCm TransformerEngine PR #715: 1.36-1.52x at TP=8).
+SHARES = {"embedding": 0.5, "tp-duplicate": 0.16}
+PROPORTIONS = ("lab", "incidents")
 
 
 class Piece(NamedTuple):
@@ -82,17 +121,52 @@ def model_shapes(ep: bool) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def full_tensor(name: str, shape: Sequence[int], dtype: Any = np.float64) -> np.ndarray:
-    """The tensor's values: a function of its name and element index only."""
-    rng = np.random.default_rng([zlib.crc32(name.encode()), 7])
-    return (rng.standard_normal(math.prod(shape)) * SCALE).reshape(shape).astype(dtype)
+def kind_of(name: str) -> str:
+    """The kind of a tensor for the model's proportions: "embedding", "tp-duplicate" or "other"."""
+    if name == "embed":
+        return "embedding"
+    if name.endswith(("ln1", "ln2", "final_ln", "mlp.router")):
+        return "tp-duplicate"
+    return "other"
+
+
+def _draw(name: str, size: int, seed: int) -> np.ndarray:
+    key = [zlib.crc32(name.encode()), 7] if seed == 0 else [zlib.crc32(name.encode()), 7, seed]
+    return np.random.default_rng(key).standard_normal(size) * SCALE
+
+
+@functools.lru_cache(maxsize=16)
+def _kind_factors(model: Model, ep: bool) -> dict[str, float]:
+    """Per kind, the factor that gives it its share of the norm**2 (all 1 for "lab")."""
+    if model.proportions not in PROPORTIONS:
+        raise GclipValueError(f"unknown model proportions {model.proportions!r}; choose from {PROPORTIONS}")
+    if model.proportions == "lab":
+        return {"embedding": 1.0, "tp-duplicate": 1.0, "other": 1.0}
+    sums: dict[str, float] = {"embedding": 0.0, "tp-duplicate": 0.0, "other": 0.0}
+    for name, shape in model_shapes(ep).items():
+        sums[kind_of(name)] += math.fsum(_draw(name, math.prod(shape), model.seed) ** 2)
+    total = math.fsum(sums.values())  # the lab's total: the values stay of the lab's size
+    shares = {**SHARES, "other": 1.0 - math.fsum(SHARES.values())}
+    return {kind: math.sqrt(shares[kind] * total / s) for kind, s in sums.items()}
+
+
+def full_tensor(
+    name: str, shape: Sequence[int], dtype: Any = np.float64, model: Model = LAB, ep: bool = False
+) -> np.ndarray:
+    """The tensor's values: a function of its name, element index and the model setting only
+    (``ep``: the model with experts, whose proportions are its own)."""
+    values = _draw(name, math.prod(shape), model.seed)
+    factor = _kind_factors(model, ep)
+    if factor[kind_of(name)] != 1.0:
+        values = values * factor[kind_of(name)]
+    return values.reshape(shape).astype(dtype)
 
 
 def _shard(full: np.ndarray, axis: int, index: int, count: int) -> np.ndarray:
     return np.ascontiguousarray(np.split(full, count, axis=axis)[index])
 
 
-def pieces(mesh: Mesh, dtype: Any = np.float64, placements: Any = None) -> list[Piece]:
+def pieces(mesh: Mesh, dtype: Any = np.float64, placements: Any = None, model: Model = LAB) -> list[Piece]:
     """This rank's arrays of the model under ``mesh`` (axes among pp, dp, tp, ep).
 
     ``placements`` maps each of PLACEMENTS to the one declared (a gallery bug
@@ -114,7 +188,7 @@ def pieces(mesh: Mesh, dtype: Any = np.float64, placements: Any = None) -> list[
     mine: list[Piece] = []
 
     def add(name: str, axis: int, placement: Placement, kind: str, count: int = tp, index: int = t) -> None:
-        full = full_tensor(name, shapes[name], dtype)
+        full = full_tensor(name, shapes[name], dtype, model, "ep" in mesh.shape)
         array = _shard(full, axis, index, count) if count > 1 else full
         mine.append(Piece(name, (axis, index, count), array, entries[placement], kind, declared[placement]))
 
@@ -140,14 +214,14 @@ def pieces(mesh: Mesh, dtype: Any = np.float64, placements: Any = None) -> list[
 
 
 def clip_arguments(
-    mesh: Mesh, dtype: Any = np.float64, placements: Any = None
+    mesh: Mesh, dtype: Any = np.float64, placements: Any = None, model: Model = LAB
 ) -> tuple[list[np.ndarray], list[Any], list[str], list[Piece]]:
     """(arrays, replicated, names, pieces) as a training step passes them to the clip.
 
     With one pipeline stage the tied embedding is used twice (input and
     output), and passed twice: the very same array, counted and scaled once.
     """
-    mine = pieces(mesh, dtype, placements)
+    mine = pieces(mesh, dtype, placements, model)
     arrays = [p.array for p in mine]
     entries = [p.replicated for p in mine]
     names = [p.name for p in mine]

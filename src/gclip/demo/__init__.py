@@ -31,6 +31,11 @@ incident are kept out of the text and the JSON. Mysteries 1 and 2 are the
 seed's pair of distinct bugs: any 36 consecutive seeds get 36 different pairs,
 consecutive seeds pairs with no bug in common.
 
+``--layout AXES`` lays the lab's transformer out over the ranks (real, or
+``--ranks R`` simulated: the same report); ``--model incidents`` gives it the
+incidents' proportions; ``--mystery K --layout AXES`` is a layout mystery
+(``options.layout_mysteries``), whose model values come from the seed.
+
 ``--json`` prints one JSON object on one line (rank 0). Non-finite floats are
 written as the strings "inf", "-inf" and "nan" (strict JSON has no such
 numbers; Python's ``float()`` reads them back). ``true_global_norm`` is the
@@ -48,12 +53,22 @@ report), ``text`` (the learner's report), ``gallery`` (``--list-bugs``),
 
 from .command import main
 from .figure import sweep
-from .options import MYSTERY_POOL, Options, mysteries, parse_args, parse_data
+from .options import (
+    LAYOUT_MYSTERY_POOL,
+    MYSTERY_POOL,
+    Options,
+    layout_mysteries,
+    mysteries,
+    parse_args,
+    parse_data,
+)
 from .ranks import random_shard, run, run_simulated, shard_norm
 
 __all__ = [
+    "LAYOUT_MYSTERY_POOL",
     "MYSTERY_POOL",
     "Options",
+    "layout_mysteries",
     "main",
     "mysteries",
     "parse_args",

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._lab.cli import entry, mpi_world, rank_size
-from .figure import check_plot, render_plot
+from .figure import check_plot, render_layout_plot, render_plot
 from .gallery import render_bugs
 from .layout import render_layout, run_layout
 from .layout import to_json as layout_json
@@ -38,9 +38,16 @@ def _main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
         say(render_bugs(opts.json))
         return 0
     if opts.layout:
-        report = run_layout(opts, comm)
-        if report is not None:
-            say(layout_json(report) if opts.json else render_layout(report, opts))
+        real = None if opts.simulate else comm  # None: simulated ranks, in this one process
+        if opts.plot:
+            check_plot(opts, real)
+        report = run_layout(opts, real)
+        if report is None:
+            return 0
+        plotted = render_layout_plot(report, opts, opts.plot) if opts.plot else 0
+        say(layout_json(report) if opts.json else render_layout(report, opts))
+        if opts.plot and not opts.json:
+            say(f"plot: wrote {opts.plot} ({plotted // 1024} KB)")
         return 0
     if opts.plot:
         check_plot(opts, comm)

@@ -14,7 +14,7 @@ from .options import Options
 from .ranks import grads_for, shard_for, whole
 from .text import num, pname
 
-__all__ = ["SWEEP_RANKS", "check_plot", "norms_panel", "render_plot", "sweep"]
+__all__ = ["SWEEP_RANKS", "check_plot", "norms_panel", "render_layout_plot", "render_plot", "sweep"]
 
 SWEEP_RANKS = 16  # the third panel simulates R = 1..SWEEP_RANKS ranks
 
@@ -141,3 +141,76 @@ def check_plot(opts: Options, comm: Any) -> None:
         problem = comm.bcast(problem, root=0)
     if problem:
         raise UsageError(problem)
+
+
+# the colour of each kind of tensor in the layout figure
+KIND_COLORS = {
+    "tied embedding": "#e9c46a",
+    "embedding (tied to the head)": "#e9c46a",
+    "tp-shard": "#8ecae6",
+    "tp-duplicate": "#2a9d8f",
+    "expert": "#b5838d",
+}
+
+
+def render_layout_plot(report: dict, opts: Options, path: str) -> int:
+    """The layout's slide: who holds what, who counts what (by kind of tensor, per rank), and the
+    norm each rank clipped by, correct against the bug's, next to the model's norm."""
+    col = plots.COLORS
+    fig, (a1, a2, a3) = plots.figure(3, title=_layout_title(report, opts), width=5.6)
+    holdings = report["holdings"]
+    ranks = [str(h["rank"]) for h in holdings]
+    kinds = list(dict.fromkeys(k for h in holdings for k in h["held"]))
+    finite = math.isfinite(report["norm_type"])
+    what = "sum of squares" if report["norm_type"] == 2 else f"sum of |x|^{num(report['norm_type'])}"
+    for ax, which, title, ylabel, scale in (
+        (a1, "held", "1. Who holds what", "values held", 1.0),
+        (
+            a2,
+            "counted_share",
+            f"2. Who counts what: the {what} each rank adds",
+            f"% of the model's {what}",
+            100.0,
+        )
+        if finite
+        else (a2, "counted", "2. Who counts what", "values counted", 1.0),
+    ):
+        bottom = [0.0] * len(holdings)
+        for kind in kinds:
+            heights = [h[which].get(kind, 0) * scale for h in holdings]
+            ax.bar(ranks, heights, 0.7, bottom=bottom, label=kind, color=KIND_COLORS.get(kind))
+            bottom = [b + v for b, v in zip(bottom, heights)]
+        ax.set_xlabel("rank")
+        ax.set_ylim(0, max(max(bottom), 1e-300) * 1.3)
+        plots.finish(ax, title, ylabel)
+    c = report["correct"]
+    series = {"correct": [r["norm"] for r in c["per_rank"]]}
+    colors = {"correct": col["correct"]}
+    if "bug_run" in report and not report["bug_run"]["note"]:
+        label = f"mystery {opts.mystery}" if opts.mystery else report["bug"]["name"]
+        series[label] = [r["norm"] for r in report["bug_run"]["per_rank"]]
+        colors[label] = col["bug"]
+        factor = report["bug_run"]["clipped_norm"] / opts.limit if opts.limit > 0 else math.nan
+        title = f"3. The norm each rank clipped by\n(the update: {num(factor, 4)} x the limit)"
+    elif "bug_run" in report:  # the hang: no rank got a norm from the bug's all-reduce
+        title = "3. The norm each rank clipped by\n(the bug: none, its all-reduce never completed)"
+    else:
+        title = "3. The norm each rank clipped by"
+    plots.bars(
+        a3,
+        ranks,
+        series,
+        title=title,
+        ylabel=f"{pname(report['norm_type'])} norm",
+        colors=colors,
+        hlines={f"the model's norm {num(report['model_norm'], 6)}": (report["model_norm"], col["limit"])},
+        annotate=False,
+    )
+    a3.set_xlabel("rank")
+    return plots.save(fig, path)
+
+
+def _layout_title(report: dict, opts: Options) -> str:
+    what = f"the {opts.bug_label} bug vs the correct clip" if opts.bug else "clipping by the global norm"
+    sim = ", simulated" if report["simulated"] else ""
+    return f"gclip: {what}, layout {report['layout']} ({report['ranks']} ranks{sim})"

@@ -12,18 +12,23 @@ from typing import Any
 import numpy as np
 
 from .._lab.cli import ArgParser, UsageError, parse_max_norm
-from ..gallery import BUGS, GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, STRATEGIES
+from .._lab.transformer import PROPORTIONS
+from ..gallery import BUGS, GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, STRATEGIES, USAGE_BUG_NAMES
 
 __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_REPLICATED",
     "DEFAULT_SIZE",
+    "LAYOUT_MYSTERY_POOL",
     "MAX_SIMULATED",
     "MAX_SIZE",
+    "MODELS",
     "MYSTERY_PAIRS",
     "MYSTERY_POOL",
     "PROG",
     "Options",
+    "layout_axes",
+    "layout_mysteries",
     "mysteries",
     "parse_args",
     "parse_data",
@@ -53,8 +58,8 @@ def _pairs(pool: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 MYSTERY_PAIRS = _pairs(MYSTERY_POOL)  # 36 pairs
 # seed S's pair is MYSTERY_PAIRS[(S + _PAIR_SHIFT) % 36]: any 36 consecutive seeds get 36 different
-# pairs, and consecutive seeds (students side by side) no bug in common. The shift keeps the pair
-# of the lab's worked example, seed 7: rms, then double-count.
+# pairs, and consecutive seeds (students side by side) no bug in common. The shift gives the lab's
+# worked example, seed 43 (no student's: they are handed 1 to 40), rms then double-count.
 _PAIR_SHIFT = 11
 _MYSTERY_STREAM = 6007  # the order of mysteries 3.. has its own random stream, apart from the data's
 
@@ -68,6 +73,44 @@ def mysteries(seed: int) -> tuple[str, ...]:
     pair = MYSTERY_PAIRS[(seed + _PAIR_SHIFT) % len(MYSTERY_PAIRS)]
     rest = [name for name in MYSTERY_POOL if name not in pair]
     order = np.random.default_rng([seed, _MYSTERY_STREAM]).permutation(len(rest))
+    return (*pair, *(rest[int(i)] for i in order))
+
+
+# --mystery K --layout AXES runs the K-th layout bug of the seed's own order of the bugs that show on
+# that layout (layout_mysteries). Not the hang (skip-collective): its run says who skipped the
+# all-reduce, which names it. The seed also gives the model its own values (transformer.Model).
+LAYOUT_MYSTERY_POOL = tuple(b.name for b in LAYOUT_BUGS if not b.skips_collective)
+_LAYOUT_MYSTERY_STREAM = 6011
+MODELS = PROPORTIONS  # --model: the lab's values, or the incidents' proportions
+
+
+def layout_axes(text: str) -> dict[str, int]:
+    """``pp=2,dp=2,tp=2`` as {axis: size}, leniently (the Mesh says what is wrong with bad text)."""
+    axes = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        axes[name.strip()] = int(value) if value.strip().isdigit() else 0
+    return axes
+
+
+def _shows_on(bug: Any, axes: dict[str, int]) -> bool:
+    """Whether a layout bug changes anything on a layout: every axis it acts on is there, > 1."""
+    needs = {*bug.drop, *bug.add, *(a for a in (bug.apart, bug.omit) if a)} | ({"pp"} if bug.untie else set())
+    return all(axes.get(a, 1) > 1 for a in needs)
+
+
+def layout_mysteries(seed: int, axes: dict[str, int]) -> tuple[str, ...]:
+    """Seed ``seed``'s order of the layout bugs that show on ``axes``: ``--mystery K --layout``.
+
+    Mysteries 1 and 2 are bugs i and i + 2 of the pool (i = seed mod its size): two seeds side by
+    side share no bug (pools of 4 or more); the others follow in an order drawn from the seed.
+    """
+    pool = [n for n in LAYOUT_MYSTERY_POOL if _shows_on(LAYOUT_BUG_NAMES[n], axes)]
+    if len(pool) < 2:
+        return tuple(pool)
+    pair = (pool[seed % len(pool)], pool[(seed + 2) % len(pool)])
+    rest = [n for n in pool if n not in pair]
+    order = np.random.default_rng([seed, _LAYOUT_MYSTERY_STREAM]).permutation(len(rest))
     return (*pair, *(rest[int(i)] for i in order))
 
 
@@ -88,7 +131,8 @@ class Options:
     simulate: int | None = None  # --ranks R: R simulated ranks in this one process (no mpirun)
     mystery: int | None = None  # --mystery K: ``bug`` is mysteries(seed)[K - 1], its name kept out
     values: bool = False  # --values: the JSON holds the clipped values too
-    explain: bool = False  # --explain (with --layout): every tensor's row of gclip.explain
+    explain: str | None = None  # --explain (with --layout): "summary" (by kind), or "full" (every tensor)
+    model: str = "lab"  # --model (with --layout): the values of the lab's transformer (MODELS)
 
     @property
     def mode(self) -> str:
@@ -109,7 +153,7 @@ class Options:
 
 
 def _parser() -> ArgParser:
-    names = [b.name for b in BUGS] + [b.name for b in LAYOUT_BUGS]
+    names = [b.name for b in BUGS] + [b.name for b in LAYOUT_BUGS]  # not the usage bugs: no clip of theirs
     p = ArgParser(
         prog="mpirun -n 4 python -m gclip.demo",
         description="Clip one gradient sharded over the MPI ranks by its global norm, phase by phase.",
@@ -118,7 +162,7 @@ def _parser() -> ArgParser:
         "--buggy",
         nargs="?",
         const="per-rank",
-        choices=names,
+        type=_bug_name(names),
         metavar="NAME",
         help="also run a gallery bug on the same data, side by side (alone: per-rank; see --list-bugs)",
     )
@@ -127,7 +171,7 @@ def _parser() -> ArgParser:
         type=int,
         metavar="K",
         help=f"run mystery K (1..{len(MYSTERY_POOL)}) of the seed, a gallery bug, without saying which: "
-        "the lab's exercise (each seed's mysteries 1 and 2 are its own pair)",
+        "the lab's exercise (each seed's mysteries 1 and 2 are its own pair); with --layout, a layout bug",
     )
     p.add_argument(
         "--ranks",
@@ -141,9 +185,18 @@ def _parser() -> ArgParser:
         help="lay a small transformer out over the ranks, e.g. pp=2,dp=2,tp=2 (axes pp, dp, tp, ep)",
     )
     p.add_argument(
+        "--model",
+        choices=MODELS,
+        default="lab",
+        help="with --layout: the model's values: lab (default), or incidents (the tied embedding half "
+        "of the sum of squares, the tp-duplicated norms 16%%: the incidents' proportions)",
+    )
+    p.add_argument(
         "--explain",
-        action="store_true",
-        help="with --layout: every tensor (or shard), the ranks holding it, the one counting it, its share",
+        nargs="?",
+        const="summary",
+        choices=("summary", "full"),
+        help="with --layout: who holds and counts each kind of tensor (summary), or every tensor (full)",
     )
     p.add_argument("--shards", metavar="JSON", help="one list of numbers per rank, e.g. '[[3,0],[0,4]]'")
     p.add_argument("--max-norm", default=str(DEFAULT_LIMIT), metavar="X", help="the max norm (default 1)")
@@ -183,22 +236,28 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
                 f"--ranks simulates ranks in one process, but this runs on {ranks} real ranks: "
                 "drop --ranks, or drop mpirun"
             )
-        if ns.layout is not None:
-            raise UsageError(
-                "--layout needs real ranks: run it under mpirun (e.g. mpirun -n 8), without --ranks"
-            )
         ranks = ns.ranks
     if ns.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {ns.seed}")
     if ns.mystery is not None:
-        if not 1 <= ns.mystery <= len(MYSTERY_POOL):
+        if ns.layout is None and not 1 <= ns.mystery <= len(MYSTERY_POOL):
             raise UsageError(f"--mystery takes a number from 1 to {len(MYSTERY_POOL)}, got {ns.mystery}")
-        clash = [f for f, v in (("--buggy", ns.buggy), ("--layout", ns.layout)) if v]
-        if clash:
-            raise UsageError(f"--mystery runs a bug of its own: drop {', '.join(clash)}")
-        ns.buggy = mysteries(ns.seed)[ns.mystery - 1]
+        if ns.buggy:
+            raise UsageError("--mystery runs a bug of its own: drop --buggy")
+        if ns.layout is None:
+            ns.buggy = mysteries(ns.seed)[ns.mystery - 1]
+    if ns.mystery is not None and ns.layout is not None:
+        pool = layout_mysteries(ns.seed, layout_axes(ns.layout))
+        if not 1 <= ns.mystery <= len(pool):
+            raise UsageError(
+                f"--mystery with --layout {ns.layout} takes a number from 1 to {len(pool)} "
+                f"(the layout bugs that show on it), got {ns.mystery}"
+            )
+        ns.buggy = pool[ns.mystery - 1]
     if ns.explain and ns.layout is None:
         raise UsageError("--explain goes with --layout: it lists the laid-out model's tensors")
+    if ns.model != "lab" and ns.layout is None:
+        raise UsageError("--model goes with --layout: it sets the values of the laid-out model")
     if ns.values and not ns.json:
         raise UsageError("--values goes with --json (the text report shows short shards' values already)")
     if not 0 <= ns.size <= MAX_SIZE:
@@ -209,9 +268,7 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
         shows = LAYOUT_BUG_NAMES[ns.buggy].shows_on
         raise UsageError(f"--buggy {ns.buggy} is a layout bug: add --layout (e.g. --layout {shows})")
     if ns.layout is not None:
-        clash = [
-            f for f, v in (("--shards", ns.shards), ("--replicated", ns.replicated), ("--plot", ns.plot)) if v
-        ]
+        clash = [f for f, v in (("--shards", ns.shards), ("--replicated", ns.replicated)) if v]
         if clash:
             raise UsageError(f"--layout lays out its own model: drop {', '.join(clash)}")
     shards, limit, replicated, p = parse_data(ns.shards, ns.max_norm, ns.replicated, ns.norm_type, ranks)
@@ -232,7 +289,30 @@ def parse_args(argv: Sequence[str] | None, ranks: int | None) -> Options:
         ns.mystery,
         ns.values,
         ns.explain,
+        ns.model,
     )
+
+
+def _bug_name(names: Sequence[str]) -> Any:
+    """--buggy's type: a bug the demo runs; a usage bug is refused with where to see it."""
+
+    def name(text: str) -> str:
+        if text in USAGE_BUG_NAMES:
+            raise UsageError(
+                f"--buggy {text} is a bug of how a training loop calls the clip, not of the clip: the "
+                f"demo cannot run it; see it with the torch example: {USAGE_SEE}"
+            )
+        if text not in names:
+            raise UsageError(f"argument --buggy: invalid choice: {text!r} (choose from {', '.join(names)})")
+        return text
+
+    return name
+
+
+USAGE_SEE = (
+    "docs/torch.md, 'Two usage bugs of the gallery', and python -m pytest -v tests/test_torch_usage_bugs.py "
+    "(each one with plain torch, then with gclip.torch)"
+)
 
 
 def parse_data(
@@ -270,6 +350,11 @@ def _json(text: str, flag: str) -> Any:
     def constant(name: str) -> None:
         raise UsageError(f"{flag}: {name} is not allowed, values must be finite numbers")
 
+    if len(text) >= 2 and text[0] == text[-1] == "'":  # cmd.exe passes single quotes on as they are
+        raise UsageError(
+            f"{flag}: not valid JSON: it starts with a single quote, which this shell passed on (cmd.exe "
+            f'does): write it in double quotes, e.g. {flag} "{text[1:-1]}"'
+        )
     try:
         return json.loads(text, parse_constant=constant)
     except RecursionError:
