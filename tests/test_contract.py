@@ -10,7 +10,7 @@ import pytest
 import gclip
 import gclip.gallery
 import seed_oracle
-from gclip.contract import seed_checks
+from gclip.gallery.contract import seed_checks
 
 NS = range(1, 6)
 CASES = [(n, c) for n in NS for c in seed_checks(n)]

@@ -23,8 +23,9 @@ import gclip
 import gclip.gallery
 from gclip import demo
 from gclip._lab.cli import UsageError
-from gclip.contract import rounded, seed_checks
+from gclip.contract import rounded
 from gclip.demo.options import DEFAULT_REPLICATED
+from gclip.gallery.contract import seed_checks
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402

@@ -18,7 +18,8 @@ import gclip
 import gclip.gallery
 import seed_oracle
 from conftest import agree
-from gclip.contract import rounded, seed_checks
+from gclip.contract import rounded
+from gclip.gallery.contract import seed_checks
 from oracles import contract_values, exact_norm, follows_contract, gathered
 
 pytestmark = pytest.mark.mpi

@@ -2,8 +2,8 @@
 
 Given disjoint gradient shards and a non-negative limit, return the same shard
 layout scaled by ``min(1, limit / global_L2_norm)``; a zero norm uses scale 1;
-values are rounded to 12 decimals. The original incident report's seven checks,
-for any N (each check's numbers times N), are :func:`seed_checks`.
+values are rounded to 12 decimals. The report's seven checks, for any N (each
+check's numbers times N), are lab data: :func:`gclip.gallery.contract.seed_checks`.
 
 ``clip_shards`` runs the library's own global strategy on simulated ranks (one
 per shard) in the reproducible mode, so it gives the very bits a real
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -22,33 +21,9 @@ from . import _validate
 from .clip import clip_simulated
 from .errors import GclipTypeError, GclipValueError
 
-__all__ = ["DIGITS", "Check", "clip_shards", "rounded", "seed_checks", "validate_shards"]
+__all__ = ["DIGITS", "clip_shards", "rounded", "validate_shards"]
 
 DIGITS = 12  # the contract rounds results to 12 decimals
-
-
-class Check(NamedTuple):
-    label: str
-    shards: list[list[float]]
-    limit: float
-    expected: list[list[float]]
-
-
-def seed_checks(n: int) -> list[Check]:
-    """The original incident report's seven checks for a given N (the report uses N = 1..5)."""
-
-    def r(x: float) -> float:  # as the report writes it
-        return round(x, DIGITS)
-
-    return [
-        Check("norm spans two shards", [[3 * n, 0], [0, 4 * n]], 2 * n, [[r(1.2 * n), 0], [0, r(1.6 * n)]]),
-        Check("uneven shard widths", [[3 * n], [4 * n, 0]], 2 * n, [[r(1.2 * n)], [r(1.6 * n), 0]]),
-        Check("below limit remains unchanged", [[n], [n]], 2 * n, [[n], [n]]),
-        Check("single shard same global rule", [[3 * n, 4 * n]], 3 * n, [[r(1.8 * n), r(2.4 * n)]]),
-        Check("zero norm", [[0, 0], []], n, [[0, 0], []]),
-        Check("zero limit", [[n]], 0, [[0]]),
-        Check("empty shards", [], n, []),
-    ]
 
 
 def _is_number(v: object) -> bool:

@@ -6,7 +6,7 @@ import math
 import random
 from typing import NamedTuple
 
-from ..contract import seed_checks
+from ..gallery.contract import seed_checks
 
 __all__ = ["Case", "make_cases"]
 

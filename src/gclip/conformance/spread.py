@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..contract import seed_checks
+from ..gallery.contract import seed_checks
 
 __all__ = ["GROUPS", "RankCase", "make_rank_cases", "norm_of"]
 
