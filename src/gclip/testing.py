@@ -54,6 +54,7 @@ def assert_conforms(
     """
     from ._validate import communicator
     from .conformance.inprocess import conforms
+    from .conformance.target import form_error
 
     comm = communicator(comm)
     if comm.Get_size() == 1:
@@ -62,6 +63,10 @@ def assert_conforms(
         raise ValueError(f"random must be a whole number >= 0, got {random!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    misfit = form_error(fn, "numpy", getattr(fn, "__qualname__", repr(fn)))
+    if misfit is not None:  # a TypeError on every rank alike, before any case runs
+        misfit = misfit.split(": for a ")[0]
+        raise TypeError(f"gclip.testing.assert_conforms: {misfit}; it calls fn(grads, max_norm, comm)")
     verdict, message = conforms(fn, comm, count=random, seed=seed, timeout=float(timeout))
     if not verdict.passed:
         raise AssertionError(message)

@@ -176,6 +176,7 @@ def grade(
     failed: Sequence[int],
     fingerprint_name: str | None,
     stopped: str | None,
+    unrounded: Sequence[int] = (),
 ) -> tuple[str, str | None]:
     """("pass" | "near miss" | "fail", how near).
 
@@ -186,12 +187,20 @@ def grade(
     sum of squares in float32, off by a rounding elsewhere, overflows) are
     counted apart as well, when other checks are near misses. ``errors[i]`` is
     None when case i gave no value of the right layout; ``norms[i]`` is the
-    case's global norm.
+    case's global norm. ``unrounded``: failed cases whose values are right within the tolerance
+    but not rounded to 12 decimals (so off by less than 5e-13): graded as a near miss of that size.
     """
     if not failed and stopped is None:
         return "pass", None
     if stopped is not None or any(errors[i] is None for i in failed):
         return "fail", None
+    if unrounded:
+        right = f"within {ABS_TOL:g} of the exact values but not rounded to {DIGITS} decimals"
+        others = [i for i in failed if i not in set(unrounded)]
+        if not others:
+            return "near miss", right
+        level, how = grade(norms, errors, others, fingerprint_name, None)
+        return level, (f"{how}; {_checks(unrounded)} {right}" if how else None)
     huge = [i for i in failed if norms[i] > implied.FLOAT32_NORM]
     rest = [i for i in failed if i not in huge] or failed
     worst = max(errors[i] or 0.0 for i in rest)
@@ -267,7 +276,8 @@ def judge(target: Target, count: int = 200, seed: int = 0, timeout: float = 5.0)
         for o, e in zip(outcomes, expected)
     ]
     norms = [math.sqrt(math.fsum(float(v) ** 2 for s in c.shards for v in s)) for c in cases]
-    level, near = grade(norms, errors, failed, name, stopped)
+    unrounded = [i for i in failed if outcomes[i].value is not None and _same(outcomes[i].value, expected[i])]
+    level, near = grade(norms, errors, failed, name, stopped, unrounded)
     hints = {
         i: _hints(cases[i], outcomes[i].value, cases[i].limit)
         for i in failed
