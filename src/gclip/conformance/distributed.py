@@ -9,14 +9,25 @@ simulated ranks holding the very inputs the real ranks get.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import strategies
 from ..clip import apply_scale, clip_simulated
 from ..strategies import TORCH_EPS
-from . import layout_cases
-from .dverdict import DistCase, DistVerdict, Loose, expected_case, gallery_names, judge_runs
+from . import implied, layout_cases
+from .dverdict import (
+    EPSILON,
+    FLOAT32,
+    DistCase,
+    DistVerdict,
+    Variant,
+    expected_case,
+    gallery_names,
+    judge_runs,
+)
 from .job import JobSpec, run_cases
 from .spread import RankCase, make_rank_cases
 from .target import Target
@@ -39,23 +50,46 @@ def rank_cases(size: int, count: int, seed: int) -> tuple[list[Any], list[DistCa
         name: [_try(lambda c=c, name=name: _bug_outputs(c, name)) for c in cases]
         for name in gallery_names(layout=False)
     }
-    # torch's own clip_grad_norm_ on each rank's shard: per-rank, with torch's epsilon
-    gallery["per-rank"] = [
-        (outputs, Loose(_try(lambda c=c: _per_rank_epsilon(c))))
-        for outputs, c in zip(gallery["per-rank"], cases)
-    ]
+    # each bug as real code writes it too: with torch's epsilon, in float32, or both
+    # (torch's own clip_grad_norm_ on each rank's shard is per-rank with both)
+    for name in gallery:
+        has_epsilon = strategies.STRATEGIES[name].epsilon > 0 if name in strategies.STRATEGIES else True
+        gallery[name] = [_variants(c, out, has_epsilon) for c, out in zip(cases, gallery[name])]
     return cases, views, gallery
+
+
+def _variants(case: RankCase, outputs: Any, has_epsilon: bool) -> Any:
+    """A bug's outputs, then the same with torch's epsilon, in float32, and both."""
+    if outputs is None:
+        return None
+    eps = None if has_epsilon else _try(lambda: _with_epsilon(case, outputs))
+    found: list[Any] = [outputs]
+    if eps is not None:
+        found.append(Variant(eps, (EPSILON,)))
+    found.append(Variant(outputs, (FLOAT32,)))
+    if eps is not None:
+        found.append(Variant(eps, (FLOAT32, EPSILON)))
+    return tuple(found)
 
 
 def _bug_outputs(case: RankCase, name: str) -> list[list[np.ndarray]]:
     return [list(r.grads) for r in clip_simulated(case.ranks, case.max_norm, mode=name)]
 
 
-def _per_rank_epsilon(case: RankCase) -> list[list[np.ndarray]]:
+def _with_epsilon(case: RankCase, outputs: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
+    """A bug's outputs had it divided by its norm + 1e-6, as torch and Megatron-LM do: each rank
+    that scaled by max_norm / n scales by max_norm / (n + 1e-6) instead (read off the outputs)."""
     out = []
-    for arrays in case.ranks:
-        local = math.sqrt(math.fsum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays))
-        out.append(list(apply_scale(arrays, min(1.0, case.max_norm / (local + TORCH_EPS)))))
+    for given, got in zip(case.ranks, outputs):
+        # the scale from the rank's float64 arrays where it has some: float32 blurs it
+        wide = [(x, y) for x, y in zip(given, got) if x.dtype == np.float64 and np.any(x)]
+        pairs = wide or list(zip(given, got))
+        scale = implied.applied([x for x, _ in pairs], [y for _, y in pairs], implied.SAME).scale
+        if scale is None or not 0.0 < scale < 1.0:
+            out.append(list(got))  # unchanged, nothing to scale, or wiped out: the epsilon is no matter
+            continue
+        norm = case.max_norm / scale
+        out.append(list(apply_scale(given, min(1.0, case.max_norm / (norm + TORCH_EPS)))))
     return out
 
 
