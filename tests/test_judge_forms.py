@@ -166,3 +166,68 @@ def test_a_torch_clip_that_changes_a_grad_fails_naming_rank_parameter_and_shapes
     reasons = _judge_json(tmp_path, TORCH_FUNCTIONS, func, "--ranks", "2", "--torch")
     check = SHAPES if "shape" in reason else DTYPES
     assert reasons[check] == f"ranks 0, 1 returned no clip: {reason}"
+
+
+def test_a_family_keeps_only_its_cases_and_casts_them():
+    import numpy as np
+
+    from gclip.conformance.families import Family, choose
+    from gclip.conformance.spread import make_rank_cases
+
+    cases = make_rank_cases(2, 30, 0)
+    assert choose(cases, Family()) == cases
+    kept = choose(cases, Family("float32", nonempty=True, positive=True))
+    assert 0 < len(kept) < len(cases)
+    for case in kept:
+        assert case.max_norm > 0
+        assert all(sum(a.size for a in arrays) > 0 for arrays in case.ranks)
+        assert all(a.dtype == np.float32 and np.all(np.isfinite(a)) for arrays in case.ranks for a in arrays)
+    # the values are the same numbers, rounded to float32
+    by_label = {c.label: c for c in cases}
+    for case in kept:
+        for mine, theirs in zip(case.ranks, by_label[case.label].ranks):
+            for a, b in zip(mine, theirs):
+                assert np.array_equal(a, b.astype(np.float32))
+
+
+def test_nan_is_reported_as_nan():
+    import numpy as np
+
+    from gclip.conformance.dverdict import DistCase, _why
+    from gclip.conformance.outcome import CaseRun, RankRun
+
+    given = [[np.array([3.0, 0.0])], [np.array([0.0, 4.0])]]
+    expected = [[np.array([1.2, 0.0])], [np.array([0.0, 1.6])]]
+    case = DistCase("c", given, 2.0, expected, 5.0, 0.4)
+    run = CaseRun([RankRun("value", expected[0]), RankRun("value", [np.array([np.nan, np.nan])])])
+    assert _why(case, run) == "NaN on rank 1: rank 1 array 0 has 2 NaN values where a number was expected"
+
+
+def test_implied_norms_are_named_through_the_epsilon_and_float32():
+    import math
+
+    from gclip.conformance.implied import norm_hints
+
+    sumsq, counts = [9.0, 16.0], [2, 2]  # local norms 3 and 4, global 5, mean 3.5
+    assert norm_hints(3.5 + 1e-6, sumsq, counts, "rank") == [
+        "the mean of the local norms + 1e-6 (torch's epsilon)"
+    ]
+    off32 = 3.5 * (1 + 1e-6)  # a float32 rounding off the mean
+    assert norm_hints(off32, sumsq, counts, "rank") == [
+        "the mean of the local norms, off by float32 rounding"
+    ]
+    assert norm_hints(7.0, sumsq, counts, "rank")[0].startswith("the sum of the local norms")
+    assert norm_hints(math.sqrt(25.0) + 1e-6, sumsq, counts, "rank") == [
+        "the global norm + 1e-6 (an epsilon added to the norm, as torch does)"
+    ]
+
+
+def test_assert_conforms_refuses_a_function_of_another_form():
+    pytest.importorskip("mpi4py")
+    from gclip.testing import assert_conforms
+
+    def single(shards, limit):
+        return shards
+
+    with pytest.warns(UserWarning), pytest.raises(TypeError, match="takes 2 positional arguments, not the 3"):
+        assert_conforms(single)

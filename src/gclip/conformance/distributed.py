@@ -20,6 +20,7 @@ from ..strategies import TORCH_EPS
 from . import implied, layout_cases
 from .dverdict import (
     EPSILON,
+    FLOAT16_TOTAL,
     FLOAT32,
     DistCase,
     DistVerdict,
@@ -28,6 +29,7 @@ from .dverdict import (
     gallery_names,
     judge_runs,
 )
+from .families import ALL_CASES, Family, choose
 from .job import JobSpec, run_cases
 from .spread import RankCase, make_rank_cases
 from .target import Target
@@ -42,9 +44,11 @@ def _try(run: Any) -> Any:
         return None
 
 
-def rank_cases(size: int, count: int, seed: int) -> tuple[list[Any], list[DistCase], dict[str, list]]:
+def rank_cases(
+    size: int, count: int, seed: int, family: Family = ALL_CASES
+) -> tuple[list[Any], list[DistCase], dict[str, list]]:
     """(the cases the ranks run, the verdict's view of them, each gallery bug's outputs)."""
-    cases = make_rank_cases(size, count, seed)
+    cases = choose(make_rank_cases(size, count, seed), family)
     views = [expected_case(c.label, c.ranks, c.max_norm, clip_simulated(c.ranks, c.max_norm)) for c in cases]
     gallery: dict[str, list[Any]] = {
         name: [_try(lambda c=c, name=name: _bug_outputs(c, name)) for c in cases]
@@ -55,7 +59,19 @@ def rank_cases(size: int, count: int, seed: int) -> tuple[list[Any], list[DistCa
     for name in gallery:
         has_epsilon = strategies.STRATEGIES[name].epsilon > 0 if name in strategies.STRATEGIES else True
         gallery[name] = [_variants(c, out, has_epsilon) for c, out in zip(cases, gallery[name])]
+    # fp16-sumsq with the all-reduce in float16 too (a float16 norm all-reduced as it is):
+    # the total overflows where each rank's share does not
+    gallery["fp16-sumsq"] = [
+        _wiped_if_total_overflows(c, v, out) for c, v, out in zip(cases, views, gallery["fp16-sumsq"])
+    ]
     return cases, views, gallery
+
+
+def _wiped_if_total_overflows(case: RankCase, view: DistCase, outputs: Any) -> Any:
+    if outputs is None or not view.norm**2 > float(np.finfo(np.float16).max):
+        return outputs
+    wiped = [[np.zeros_like(a) for a in arrays] for arrays in case.ranks]
+    return (*outputs, Variant(wiped, (FLOAT16_TOTAL,)))
 
 
 def _variants(case: RankCase, outputs: Any, has_epsilon: bool) -> Any:
@@ -116,15 +132,19 @@ def judge_distributed(
     timeout: float = 5.0,
     torch: bool = False,
     layout: dict[str, int] | None = None,
+    family: Family = ALL_CASES,
 ) -> DistVerdict:
-    """Run FUNC on ``size`` ranks over every case and judge what each rank did."""
+    """Run FUNC on ``size`` ranks over every case of ``family`` and judge what each rank did."""
     if layout is not None:
         size = math.prod(layout.values())
         cases, views, gallery = _layout_cases(layout, count, seed)
         mode = "layout"
     else:
-        cases, views, gallery = rank_cases(size, count, seed)
+        cases, views, gallery = rank_cases(size, count, seed, family)
         mode = "torch" if torch else "numpy"
     spec = JobSpec(target, size, mode, layout, timeout)
     runs = run_cases(spec, cases)
-    return judge_runs(str(target), size, views, runs.runs, gallery, runs.stopped, runs.note)
+    note = runs.note
+    if family:
+        note = f"cases of one family: {family.words()}" + (f"; {note}" if note else "")
+    return judge_runs(str(target), size, views, runs.runs, gallery, runs.stopped, note)

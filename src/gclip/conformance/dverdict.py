@@ -110,6 +110,7 @@ class Loose(NamedTuple):
 LOOSE = 1e-5
 FLOAT32 = "float32 rounding"
 EPSILON = "epsilon 1e-6"
+FLOAT16_TOTAL = "the all-reduce in float16"  # fp16-sumsq's total overflowing too
 
 
 class Variant(NamedTuple):
@@ -276,7 +277,7 @@ def fingerprint_with_benign(
             if best is None or (len(hits), explained) > best[:2]:
                 best = (len(hits), explained, name)
                 seen = {b for i in hits for b in matched[i][1]}
-                needed[name] = tuple(b for b in (FLOAT32, EPSILON) if b in seen)
+                needed[name] = tuple(b for b in (FLOAT32, EPSILON, FLOAT16_TOTAL) if b in seen)
     if best is None:
         return "unknown", scores, ()
     return best[2], scores, needed[best[2]]

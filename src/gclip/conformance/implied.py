@@ -157,7 +157,7 @@ def norm_hints(
     for name, value in candidates[1:]:
         if value <= 0 or abs(value - exact) <= max(loose, NEAR_FLOAT32) * exact:
             continue
-        benign = _benign(norm, value, loose)
+        benign = _benign(norm, value, loose, abs(value - exact) > 1e-7)
         if benign is not None:
             found.append(name + benign)
     if not found and exact > 0:
@@ -171,15 +171,18 @@ def norm_hints(
     return found
 
 
-def _benign(norm: float, value: float, loose: float) -> str | None:
+def _benign(norm: float, value: float, loose: float, beyond_epsilon: bool = True) -> str | None:
     """How ``norm`` is ``value``: '' exactly (within ``loose``), ' + 1e-6 (torch's epsilon)',
-    ', off by float32 rounding', both; None when it is not."""
+    ', off by float32 rounding', both; None when it is not. ``beyond_epsilon``: the value differs
+    from the global norm by more than the epsilon blurs (else the epsilon cannot tell them apart)."""
     for eps, tol, words in (
         (0.0, loose, ""),
         (1e-6, loose, " + 1e-6 (torch's epsilon)"),
         (0.0, NEAR_FLOAT32, ", off by float32 rounding"),
         (1e-6, NEAR_FLOAT32, " + 1e-6 (torch's epsilon), off by float32 rounding"),
     ):
+        if eps and not beyond_epsilon:
+            continue
         if abs(norm - value - eps) <= tol * value + (1e-8 if eps else 0.0):
             return words
     return None

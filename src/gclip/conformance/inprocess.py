@@ -36,6 +36,7 @@ from . import hangs, recorder
 from .distributed import rank_cases
 from .dreport import report
 from .dverdict import DistVerdict, judge_runs
+from .families import ALL_CASES, Family
 from .outcome import CaseRun, RankRun, decode
 from .rank import call_numpy
 
@@ -222,12 +223,12 @@ def verdict_message(v: DistVerdict, name: str, seed: int, shown: int = 3) -> str
 
 
 def conforms(
-    fn: Callable[..., Any], comm: Any, *, count: int, seed: int, timeout: float
+    fn: Callable[..., Any], comm: Any, *, count: int, seed: int, timeout: float, family: Family = ALL_CASES
 ) -> tuple[DistVerdict, str]:
     """Run every case through ``fn`` on the ranks of ``comm``; the verdict, the same on every rank."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     size, rank = comm.Get_size(), comm.Get_rank()
-    cases, views, gallery = rank_cases(size, count, seed)
+    cases, views, gallery = rank_cases(size, count, seed, family)
     side, watch = comm.Dup(), comm.Dup()
     user = recorder.recorded(comm.Dup())
     folder = _shared_folder(side)
@@ -263,5 +264,6 @@ def conforms(
         shutil.rmtree(folder, ignore_errors=True)
     for c in (side, watch, user):
         c.Free()
-    verdict = judge_runs(name, size, views, _runs(gathered), gallery, None)
+    note = f"cases of one family: {family.words()}" if family else None
+    verdict = judge_runs(name, size, views, _runs(gathered), gallery, None, note)
     return verdict, verdict_message(verdict, name, seed)
