@@ -74,7 +74,7 @@ def test_every_file_cites_repository_path_and_commit_and_a_buggy_one_its_pr():
     assert len(files) >= 8 and {t[0] for t in TABLE} == {p.name for p in files}
     for path in files:
         doc = path.read_text().split('"""')[1]
-        assert re.search(r"Source: [\w-]+/[\w-]+, [\w/.-]+\.py", doc), path.name
+        assert re.search(r"Source: [\w-]+/[\w-]+, [\w/.-]+\.(py|patch)\b", doc), path.name
         assert re.search(r"\b[0-9a-f]{40}\b", doc), path.name
         if "_before_" in path.name:
             assert re.search(rf"#{path.stem.rsplit('_', 1)[1]}\b", doc), path.name
