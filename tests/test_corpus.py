@@ -86,8 +86,8 @@ def test_the_docs_show_the_table():
     for name, family, grade, bug, _ in TABLE:
         flags = " ".join(family)
         row = (
-            f"| `{name}` | `{flags}` | {grade.upper()} | `{bug}` |"
+            f"| `tests/corpus/{name}` | `{flags}` | {grade.upper()} | `{bug}` |"
             if flags
-            else f"| `{name}` | | {grade.upper()} | `{bug}` |"
+            else f"| `tests/corpus/{name}` | | {grade.upper()} | `{bug}` |"
         )
         assert row in text, row
