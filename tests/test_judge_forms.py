@@ -231,3 +231,28 @@ def test_assert_conforms_refuses_a_function_of_another_form():
 
     with pytest.warns(UserWarning), pytest.raises(TypeError, match="takes 2 positional arguments, not the 3"):
         assert_conforms(single)
+
+
+def test_a_family_the_function_cannot_take_is_counted_apart():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from gclip.conformance.families import family_lines
+    from gclip.conformance.outcome import CaseRun, RankRun
+
+    f32, f64 = np.ones(2, np.float32), np.ones(2)
+    cases = [SimpleNamespace(ranks=[[f32], [f32]]), SimpleNamespace(ranks=[[f64], [f64]])]
+    cases.append(SimpleNamespace(ranks=[[f64], []]))
+    runs = [CaseRun([RankRun("value"), RankRun("value")]), CaseRun([RankRun("raised"), RankRun("raised")])]
+    runs.append(CaseRun([RankRun("lost"), RankRun("value")], "rank 0 died during the call"))
+    reasons = {1: "ranks 0, 1 raised AssertionError", 2: "rank 0 died during the call"}
+    verdict = SimpleNamespace(cases=cases, runs=runs, reasons=reasons, failed=[1, 2])
+    assert [line.split() for line in family_lines(verdict)] == [
+        ["by", "family", "of", "cases:"],
+        ["float32", "1", "of", "1", "pass"],
+        ["float64", "0", "of", "1", "pass,", "1", "raised"],
+        ["float64,", "a", "rank", "with", "nothing", "0", "of", "1", "pass,", "1", "did", "not", "finish"],
+    ]
+    verdict.reasons, verdict.failed = {1: "wrong values on ranks 0, 1"}, [1]
+    assert family_lines(verdict) == []  # wrong values only: no family to leave out

@@ -13,13 +13,13 @@ that is no bug of its norm; a family keeps only the cases it supports:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .spread import RankCase
 
-__all__ = ["ALL_CASES", "DTYPES", "Family", "choose"]
+__all__ = ["ALL_CASES", "DTYPES", "Family", "choose", "family_lines"]
 
 DTYPES = ("float16", "float32", "float64")
 
@@ -72,3 +72,36 @@ def choose(cases: Sequence[RankCase], family: Family) -> list[RankCase]:
             case = cast
         out.append(case)
     return out
+
+
+def _family_of(ranks: Sequence[Sequence[np.ndarray]]) -> str:
+    dtypes = sorted({a.dtype.name for arrays in ranks for a in arrays if a.size})
+    empty = any(sum(a.size for a in arrays) == 0 for arrays in ranks)
+    return (" and ".join(dtypes) or "no values") + (", a rank with nothing" if empty else "")
+
+
+def family_lines(verdict: Any) -> list[str]:
+    """Per family of the cases run (their dtypes, whether a rank holds nothing): how many passed,
+    raised or did not finish, when some case raised or did not finish; else nothing. Says which
+    family a function cannot take (``--dtype`` and ``--nonempty-ranks`` keep the others)."""
+    words = (" raised ", "died", "waited")
+    if not any(k in verdict.reasons.get(i, "") for i in verdict.failed for k in words):
+        return []
+    counts: dict[str, list[int]] = {}
+    for i, case in enumerate(verdict.cases):
+        row = counts.setdefault(_family_of(case.ranks), [0, 0, 0, 0])  # run, passed, raised, lost
+        row[0] += 1
+        run = verdict.runs[i]
+        if i not in verdict.reasons:
+            row[1] += 1
+        elif run.lost is not None:
+            row[3] += 1
+        elif any(r.kind == "raised" for r in run.ranks):
+            row[2] += 1
+    lines = ["  by family of cases:"]
+    for name, (run, passed, raised, lost) in sorted(counts.items()):
+        parts = [f"{passed} of {run} pass"]
+        parts += [f"{raised} raised"] if raised else []
+        parts += [f"{lost} did not finish"] if lost else []
+        lines.append(f"    {name:<40} {', '.join(parts)}")
+    return lines
