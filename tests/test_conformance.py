@@ -220,6 +220,9 @@ def test_failures_like_no_known_bug_are_unknown(tmp_path, name):
 def test_unrounded_results_fail_for_the_rounding(tmp_path):
     out = judged(write(tmp_path, "unrounded", IMPLEMENTATIONS["unrounded"]) + ":solve", code=1)
     assert all("12 decimals" in f["reason"] for f in out["failures"])
+    # exact but for the rounding: no harsher than a near miss of that size, still exit 1
+    assert out["grade"] == "near miss"
+    assert out["near_miss"] == "within 1e-11 of the exact values but not rounded to 12 decimals"
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,8 @@ def test_a_hanging_clip_aborts_the_suite_with_the_ranks_named():
     )
     assert message in proc.stderr, proc.stderr[-4000:]
     assert proc.stderr.count(message) == 1  # said once, by rank 0
+    # named as the command names it: the rank that skipped is the one with nothing to clip
+    assert message + " (fingerprint: skip-collective" in proc.stderr
     left = subprocess.run(["pgrep", "-f", str(TARGETS / "hang_suite.py")], capture_output=True, text=True)
     assert left.stdout == ""
 

@@ -27,6 +27,7 @@ from .. import _validate
 from .._lab.cli import ArgParser, UsageError, entry, in_range, internal_error
 from .._lab.jsonout import dumps
 from . import dreport
+from .families import DTYPES, Family
 from .report import as_json, report
 from .target import LoadError, parse_target
 from .verdict import judge
@@ -84,6 +85,21 @@ def _parser() -> ArgParser:
         "--torch",
         action="store_true",
         help="FUNC(parameters, max_norm, group) on a torch.distributed gloo group",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="with --ranks: every array in this dtype (the family real code asserts, e.g. float32)",
+    )
+    p.add_argument(
+        "--nonempty-ranks",
+        action="store_true",
+        help="with --ranks: only cases where every rank holds values",
+    )
+    p.add_argument(
+        "--positive-max-norm",
+        action="store_true",
+        help="with --ranks: only cases with max_norm > 0 (code that reads 0 as 'clipping off')",
     )
     p.add_argument(
         "--layout",
@@ -175,8 +191,18 @@ def _distributed(args: Any) -> tuple[bool, str]:
             import torch.distributed  # noqa: F401 - only to say so now, not on every rank
         except ImportError:
             raise UsageError("--torch needs PyTorch (pip install torch)") from None
+    family = Family(args.dtype, args.nonempty_ranks, args.positive_max_norm)
+    if family and layout is not None:
+        raise UsageError("--dtype, --nonempty-ranks and --positive-max-norm go with --ranks, not --layout")
     verdict = judge_distributed(
-        target, size, count=args.random, seed=args.seed, timeout=args.timeout, torch=args.torch, layout=layout
+        target,
+        size,
+        count=args.random,
+        seed=args.seed,
+        timeout=args.timeout,
+        torch=args.torch,
+        layout=layout,
+        family=family,
     )
     mode = "layout" if layout else "torch" if args.torch else "numpy"
     if args.json:
@@ -192,6 +218,9 @@ def _main(argv: Sequence[str] | None) -> int:
     _refuse_launcher(args, argv)
     if args.random is None:
         args.random = DEFAULT_RANDOM_LAYOUT if args.layout is not None else DEFAULT_RANDOM
+    if args.ranks is None and args.layout is None and not args.torch:
+        if args.dtype or args.nonempty_ranks or args.positive_max_norm:
+            raise UsageError("--dtype, --nonempty-ranks and --positive-max-norm need --ranks R")
     try:
         if args.ranks is not None or args.torch or args.layout is not None:
             passed, text = _distributed(args)

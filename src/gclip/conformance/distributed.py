@@ -9,14 +9,26 @@ simulated ranks holding the very inputs the real ranks get.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..clip import apply_scale
 from ..gallery import TORCH_EPS, clip_simulated
-from . import layout_cases
-from .dverdict import DistCase, DistVerdict, Loose, expected_case, gallery_names, judge_runs
+from . import implied, layout_cases
+from .dverdict import (
+    EPSILON,
+    FLOAT16_TOTAL,
+    FLOAT32,
+    DistCase,
+    DistVerdict,
+    Variant,
+    expected_case,
+    gallery_names,
+    judge_runs,
+)
+from .families import ALL_CASES, Family, choose
 from .job import JobSpec, run_cases
 from .spread import RankCase, make_rank_cases
 from .target import Target
@@ -31,31 +43,68 @@ def _try(run: Any) -> Any:
         return None
 
 
-def rank_cases(size: int, count: int, seed: int) -> tuple[list[Any], list[DistCase], dict[str, list]]:
+def rank_cases(
+    size: int, count: int, seed: int, family: Family = ALL_CASES
+) -> tuple[list[Any], list[DistCase], dict[str, list]]:
     """(the cases the ranks run, the verdict's view of them, each gallery bug's outputs)."""
-    cases = make_rank_cases(size, count, seed)
+    cases = choose(make_rank_cases(size, count, seed), family)
     views = [expected_case(c.label, c.ranks, c.max_norm, clip_simulated(c.ranks, c.max_norm)) for c in cases]
     gallery: dict[str, list[Any]] = {
         name: [_try(lambda c=c, name=name: _bug_outputs(c, name)) for c in cases]
         for name in gallery_names(layout=False)
     }
-    # torch's own clip_grad_norm_ on each rank's shard: per-rank, with torch's epsilon
-    gallery["per-rank"] = [
-        (outputs, Loose(_try(lambda c=c: _per_rank_epsilon(c))))
-        for outputs, c in zip(gallery["per-rank"], cases)
+    # each bug as real code writes it too: with torch's epsilon, in float32, or both
+    # (torch's own clip_grad_norm_ on each rank's shard is per-rank with both)
+    for name in gallery:
+        has_epsilon = gallery.STRATEGIES[name].epsilon > 0 if name in gallery.STRATEGIES else True
+        gallery[name] = [_variants(c, out, has_epsilon) for c, out in zip(cases, gallery[name])]
+    # fp16-sumsq with the all-reduce in float16 too (a float16 norm all-reduced as it is):
+    # the total overflows where each rank's share does not
+    gallery["fp16-sumsq"] = [
+        _wiped_if_total_overflows(c, v, out) for c, v, out in zip(cases, views, gallery["fp16-sumsq"])
     ]
     return cases, views, gallery
+
+
+def _wiped_if_total_overflows(case: RankCase, view: DistCase, outputs: Any) -> Any:
+    if outputs is None or not view.norm**2 > float(np.finfo(np.float16).max):
+        return outputs
+    wiped = [[np.zeros_like(a) for a in arrays] for arrays in case.ranks]
+    return (*outputs, Variant(wiped, (FLOAT16_TOTAL,)))
+
+
+def _variants(case: RankCase, outputs: Any, has_epsilon: bool) -> Any:
+    """A bug's outputs, then the same with torch's epsilon, in float32, and both."""
+    if outputs is None:
+        return None
+    eps = None if has_epsilon else _try(lambda: _with_epsilon(case, outputs))
+    found: list[Any] = [outputs]
+    if eps is not None:
+        found.append(Variant(eps, (EPSILON,)))
+    found.append(Variant(outputs, (FLOAT32,)))
+    if eps is not None:
+        found.append(Variant(eps, (FLOAT32, EPSILON)))
+    return tuple(found)
 
 
 def _bug_outputs(case: RankCase, name: str) -> list[list[np.ndarray]]:
     return [list(r.grads) for r in clip_simulated(case.ranks, case.max_norm, mode=name)]
 
 
-def _per_rank_epsilon(case: RankCase) -> list[list[np.ndarray]]:
+def _with_epsilon(case: RankCase, outputs: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
+    """A bug's outputs had it divided by its norm + 1e-6, as torch and Megatron-LM do: each rank
+    that scaled by max_norm / n scales by max_norm / (n + 1e-6) instead (read off the outputs)."""
     out = []
-    for arrays in case.ranks:
-        local = math.sqrt(math.fsum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays))
-        out.append(list(apply_scale(arrays, min(1.0, case.max_norm / (local + TORCH_EPS)))))
+    for given, got in zip(case.ranks, outputs):
+        # the scale from the rank's float64 arrays where it has some: float32 blurs it
+        wide = [(x, y) for x, y in zip(given, got) if x.dtype == np.float64 and np.any(x)]
+        pairs = wide or list(zip(given, got))
+        scale = implied.applied([x for x, _ in pairs], [y for _, y in pairs], implied.SAME).scale
+        if scale is None or not 0.0 < scale < 1.0:
+            out.append(list(got))  # unchanged, nothing to scale, or wiped out: the epsilon is no matter
+            continue
+        norm = case.max_norm / scale
+        out.append(list(apply_scale(given, min(1.0, case.max_norm / (norm + TORCH_EPS)))))
     return out
 
 
@@ -82,15 +131,19 @@ def judge_distributed(
     timeout: float = 5.0,
     torch: bool = False,
     layout: dict[str, int] | None = None,
+    family: Family = ALL_CASES,
 ) -> DistVerdict:
-    """Run FUNC on ``size`` ranks over every case and judge what each rank did."""
+    """Run FUNC on ``size`` ranks over every case of ``family`` and judge what each rank did."""
     if layout is not None:
         size = math.prod(layout.values())
         cases, views, gallery = _layout_cases(layout, count, seed)
         mode = "layout"
     else:
-        cases, views, gallery = rank_cases(size, count, seed)
+        cases, views, gallery = rank_cases(size, count, seed, family)
         mode = "torch" if torch else "numpy"
     spec = JobSpec(target, size, mode, layout, timeout)
     runs = run_cases(spec, cases)
-    return judge_runs(str(target), size, views, runs.runs, gallery, runs.stopped, runs.note)
+    note = runs.note
+    if family:
+        note = f"cases of one family: {family.words()}" + (f"; {note}" if note else "")
+    return judge_runs(str(target), size, views, runs.runs, gallery, runs.stopped, note)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .dverdict import DistVerdict
+from .families import family_lines
 from .report import head, verdict_fields
 from .spread import GROUPS
 
@@ -98,6 +99,9 @@ def report(v: DistVerdict, *, mode: str, layout: dict | None, seed: int, shown: 
     )
     if v.passed:
         return lines
+    if not layout:  # before the failures: which families of cases the function cannot take
+        at = next(i for i, line in enumerate(lines) if "verdict:" in line)
+        lines[at:at] = family_lines(v)
     for i in v.failed[:shown]:
         case, run = v.cases[i], v.runs[i]
         lines.append(f"  {case.label}  (max_norm {case.max_norm:g})")

@@ -29,6 +29,7 @@ __all__ = [
     "DistCase",
     "DistVerdict",
     "Loose",
+    "Variant",
     "expected_case",
     "gallery_names",
     "judge_runs",
@@ -64,6 +65,7 @@ class DistVerdict(NamedTuple):
     grade: str
     near: str | None
     hints: dict[int, list[str]]
+    benign: tuple[str, ...] = ()  # beside the fingerprint: float32 rounding, torch's epsilon
 
     @property
     def passed(self) -> bool:
@@ -106,6 +108,22 @@ class Loose(NamedTuple):
 
 
 LOOSE = 1e-5
+FLOAT32 = "float32 rounding"
+EPSILON = "epsilon 1e-6"
+FLOAT16_TOTAL = "the all-reduce in float16"  # fp16-sumsq's total overflowing too
+
+
+class Variant(NamedTuple):
+    """A bug's outputs as real code computes them: with torch's epsilon (``max_norm / (norm +
+    1e-6)``), in float32 (matched within LOOSE), or both. ``benign`` names those differences,
+    which the verdict lists beside the bug's name."""
+
+    values: list[list[np.ndarray]] | None
+    benign: tuple[str, ...]
+
+    @property
+    def floor(self) -> float:
+        return LOOSE if FLOAT32 in self.benign else 0.0
 
 
 def _matches(
@@ -136,13 +154,24 @@ def _why(case: DistCase, run: CaseRun) -> str | None:
                 return f"{'rank' if len(who) == 1 else 'ranks'} {rank_list(who)} raised {message}"
             return f"{'rank' if len(who) == 1 else 'ranks'} {rank_list(who)} {verb} {message}"
     wrong: list[tuple[float, int, int]] = []
+    nans: list[tuple[int, int, int]] = []
     for r, (given, want, rank) in enumerate(zip(case.ranks, case.expected, run.ranks)):
         for i, (g, w, x) in enumerate(zip(rank.value or [], want, given)):
             err = _error(g, w, x)
             if err > rtol_of(x.dtype):
                 wrong.append((err, r, i))
+            bad = int(np.count_nonzero(np.isnan(np.asarray(g, dtype=np.float64)) & ~np.isnan(w)))
+            if bad:
+                nans.append((r, i, bad))
     if not wrong:
         return None
+    if nans:  # NaN is no distance: say where it is
+        who = sorted({r for r, _, _ in nans})
+        r, i, bad = nans[0]
+        return (
+            f"NaN on {'rank' if len(who) == 1 else 'ranks'} {rank_list(who)}: rank {r} array {i} "
+            f"has {bad} NaN value{'s' * (bad != 1)} where a number was expected"
+        )
     err, r, i = max(wrong)
     who = sorted({w[1] for w in wrong})
     return (
@@ -211,31 +240,62 @@ def fingerprint(
     wrong = [i for i in failed if i in set(valid)]
     if not wrong or not valid:
         return "unknown", {}
+    name, scores, _ = fingerprint_with_benign(cases, runs, failed, gallery)
+    return name, scores
+
+
+def fingerprint_with_benign(
+    cases: Sequence[DistCase],
+    runs: Sequence[CaseRun],
+    failed: Sequence[int],
+    gallery: dict[str, list[Any]],
+) -> tuple[str | None, dict[str, float], tuple[str, ...]]:
+    """As ``fingerprint``, with the benign differences (float32 rounding, torch's epsilon) the
+    named bug needed to match: a real clip has both, and they do not hide its bug."""
+    if not failed:
+        return None, {}, ()
+    if _skip_signature(cases, runs):
+        return SKIP, {}, ()
+    valid = [
+        i for i, run in enumerate(runs) if run.lost is None and all(r.kind == "value" for r in run.ranks)
+    ]
+    wrong = [i for i in failed if i in set(valid)]
+    if not wrong or not valid:
+        return "unknown", {}, ()
     scores: dict[str, float] = {}
     best: tuple[int, int, str] | None = None
+    needed: dict[str, tuple[str, ...]] = {}
     for name, outputs in gallery.items():
         # which of the bug's variants (if it has several) each case's outputs equal
         matched = {i: _matching(cases[i], outputs[i], runs[i]) for i in valid}
         hits = {i for i, alt in matched.items() if alt is not None}
         explained = sum(
-            i in hits and not _matches(cases[i], cases[i].expected, _as_run(matched[i])) for i in wrong
+            i in hits and not _matches(cases[i], cases[i].expected, _as_run(matched[i][0])) for i in wrong
         )
         scores[name] = round(len(hits) / len(valid), 4)
         if explained and explained >= MATCH_SHARE * len(wrong) and len(hits) >= MATCH_SHARE * len(valid):
             if best is None or (len(hits), explained) > best[:2]:
                 best = (len(hits), explained, name)
-    return (best[2] if best else "unknown"), scores
+                seen = {b for i in hits for b in matched[i][1]}
+                needed[name] = tuple(b for b in (FLOAT32, EPSILON, FLOAT16_TOTAL) if b in seen)
+    if best is None:
+        return "unknown", scores, ()
+    return best[2], scores, needed[best[2]]
 
 
-def _matching(case: DistCase, outputs: Any, run: CaseRun) -> Any:
-    """The variant of a bug's outputs that the run equals, or None. A bug's outputs are one
-    per-rank list, or a tuple of variants (two readings of the same mistake)."""
+def _matching(case: DistCase, outputs: Any, run: CaseRun) -> tuple[Any, tuple[str, ...]] | None:
+    """(the variant of a bug's outputs that the run equals, its benign differences), or None.
+    A bug's outputs are one per-rank list, or a tuple of variants (readings of the same
+    mistake, strictest first)."""
     for variant in outputs if isinstance(outputs, tuple) else [outputs]:
-        if isinstance(variant, Loose):
+        if isinstance(variant, Variant):
+            if _matches(case, variant.values, run, variant.floor):
+                return variant.values, variant.benign
+        elif isinstance(variant, Loose):
             if _matches(case, variant.values, run, LOOSE):
-                return variant.values
+                return variant.values, ()
         elif _matches(case, variant, run):
-            return variant
+            return variant, ()
     return None
 
 
@@ -276,7 +336,9 @@ def judge_runs(
         if why is not None:
             reasons[i] = why
     failed = sorted(reasons)
-    name, scores = fingerprint(cases, runs, failed, {k: v[: len(runs)] for k, v in gallery.items()})
+    name, scores, benign = fingerprint_with_benign(
+        cases, runs, failed, {k: v[: len(runs)] for k, v in gallery.items()}
+    )
     if stopped and name is None:
         name = "unknown"
     errors = [_case_error(c, r) if r.lost is None else None for c, r in zip(cases, runs)]
@@ -284,7 +346,20 @@ def judge_runs(
     hints = {i: _hints(cases[i], runs[i]) for i in failed if errors[i]}
     notes = ([note] if note else []) + _dtype_notes(cases, runs)
     return DistVerdict(
-        target, size, cases, list(runs), failed, reasons, name, scores, stopped, notes, level, near, hints
+        target,
+        size,
+        cases,
+        list(runs),
+        failed,
+        reasons,
+        name,
+        scores,
+        stopped,
+        notes,
+        level,
+        near,
+        hints,
+        benign,
     )
 
 

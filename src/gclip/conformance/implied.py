@@ -151,12 +151,15 @@ def norm_hints(
     if exact > 0 and abs(norm - exact) <= rtol * exact:
         return ["the global norm"]
     loose = max(rtol, 1e-7)
-    # a candidate equal to the global norm here (one rank holds every value) explains no difference
-    found = [
-        name
-        for name, value in candidates[1:]
-        if value > 0 and abs(norm - value) <= loose * value and abs(value - exact) > loose * exact
-    ]
+    # a candidate equal to the global norm here (one rank holds every value) explains no difference;
+    # real code adds torch's epsilon and sums in float32: a candidate is still named through them
+    found = []
+    for name, value in candidates[1:]:
+        if value <= 0 or abs(value - exact) <= max(loose, NEAR_FLOAT32) * exact:
+            continue
+        benign = _benign(norm, value, loose, abs(value - exact) > 1e-7)
+        if benign is not None:
+            found.append(name + benign)
     if not found and exact > 0:
         off = (norm - exact) / exact
         if abs(norm - exact - 1e-6) <= 1e-8 + rtol * exact:  # 1e-6 give or take 1%, or the precision
@@ -166,6 +169,23 @@ def norm_hints(
         else:
             found.append(f"no norm we know ({norm / exact:.4g} times the global norm)")
     return found
+
+
+def _benign(norm: float, value: float, loose: float, beyond_epsilon: bool = True) -> str | None:
+    """How ``norm`` is ``value``: '' exactly (within ``loose``), ' + 1e-6 (torch's epsilon)',
+    ', off by float32 rounding', both; None when it is not. ``beyond_epsilon``: the value differs
+    from the global norm by more than the epsilon blurs (else the epsilon cannot tell them apart)."""
+    for eps, tol, words in (
+        (0.0, loose, ""),
+        (1e-6, loose, " + 1e-6 (torch's epsilon)"),
+        (0.0, NEAR_FLOAT32, ", off by float32 rounding"),
+        (1e-6, NEAR_FLOAT32, " + 1e-6 (torch's epsilon), off by float32 rounding"),
+    ):
+        if eps and not beyond_epsilon:
+            continue
+        if abs(norm - value - eps) <= tol * value + (1e-8 if eps else 0.0):
+            return words
+    return None
 
 
 def unit_lines(

@@ -36,6 +36,7 @@ from . import hangs, recorder
 from .distributed import rank_cases
 from .dreport import report
 from .dverdict import DistVerdict, judge_runs
+from .families import ALL_CASES, Family
 from .outcome import CaseRun, RankRun, decode
 from .rank import call_numpy
 
@@ -58,8 +59,11 @@ class _Watchdog(threading.Thread):
     run. Without a shared folder the watchdogs swap their traces over MPI.
     """
 
-    def __init__(self, comm: Any, timeout: float, name: str, folder: str | None) -> None:
+    def __init__(
+        self, comm: Any, timeout: float, name: str, folder: str | None, empty: list[tuple[int, ...]]
+    ) -> None:
         super().__init__(daemon=True)
+        self.empty = empty  # per case: the ranks with nothing to clip (skip-collective's culprits)
         self.comm = comm  # a communicator of the watchdogs alone
         self.timeout = timeout
         self.name_of_fn = name
@@ -158,7 +162,8 @@ class _Watchdog(threading.Thread):
         else:
             stuck = hangs.explain(traces, self.timeout)
             message = f"{head}: {stuck.reason}"
-            if stuck.kind == "skipped":
+            # as the command names it: a skip by exactly the ranks that had nothing to clip
+            if stuck.kind == "skipped" and stuck.culprits and stuck.culprits == self.empty[case]:
                 message += " (fingerprint: skip-collective, a rank returned before the all-reduce)"
         if traces is None or self._first_to_say():
             text = message + "; aborting the job: the collective can never complete\n"
@@ -222,16 +227,17 @@ def verdict_message(v: DistVerdict, name: str, seed: int, shown: int = 3) -> str
 
 
 def conforms(
-    fn: Callable[..., Any], comm: Any, *, count: int, seed: int, timeout: float
+    fn: Callable[..., Any], comm: Any, *, count: int, seed: int, timeout: float, family: Family = ALL_CASES
 ) -> tuple[DistVerdict, str]:
     """Run every case through ``fn`` on the ranks of ``comm``; the verdict, the same on every rank."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     size, rank = comm.Get_size(), comm.Get_rank()
-    cases, views, gallery = rank_cases(size, count, seed)
+    cases, views, gallery = rank_cases(size, count, seed, family)
     side, watch = comm.Dup(), comm.Dup()
     user = recorder.recorded(comm.Dup())
     folder = _shared_folder(side)
-    dog = _Watchdog(watch, timeout, name, folder)
+    empty = [tuple(r for r, arrays in enumerate(c.ranks) if sum(a.size for a in arrays) == 0) for c in cases]
+    dog = _Watchdog(watch, timeout, name, folder, empty)
     previous = recorder.current()
     rec = recorder.install(recorder.Recorder(dog.sink))
     restore_world = recorder.record_world()  # fn's MPI.COMM_WORLD records too, while it is judged
@@ -263,5 +269,6 @@ def conforms(
         shutil.rmtree(folder, ignore_errors=True)
     for c in (side, watch, user):
         c.Free()
-    verdict = judge_runs(name, size, views, _runs(gathered), gallery, None)
+    note = f"cases of one family: {family.words()}" if family else None
+    verdict = judge_runs(name, size, views, _runs(gathered), gallery, None, note)
     return verdict, verdict_message(verdict, name, seed)

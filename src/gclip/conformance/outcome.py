@@ -9,13 +9,14 @@ JSON (dtype, shape, values as float64, exact for float32 and float64).
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["CaseRun", "RankRun", "decode", "encode", "returned_arrays"]
+__all__ = ["Before", "CaseRun", "RankRun", "before", "changed", "decode", "encode", "returned_arrays"]
 
 
 class RankRun(NamedTuple):
@@ -70,13 +71,51 @@ def _as_array(item: Any) -> np.ndarray:
     return np.asarray(item)
 
 
-def returned_arrays(value: Any, given: Sequence[np.ndarray]) -> tuple[list[np.ndarray] | None, str | None]:
+class Before(NamedTuple):
+    """An array as it was before the call: what a clip may not change."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str = "cpu"
+
+
+def before(arrays: Sequence[Any]) -> list[Before]:
+    """Each array's shape, dtype (and a tensor's device), recorded before the call."""
+    return [Before(tuple(a.shape), str(a.dtype), str(getattr(a, "device", "cpu"))) for a in arrays]
+
+
+def changed(arrays: Sequence[Any], was: Sequence[Before], what: str = "array", of: str = "") -> str | None:
+    """Why ``arrays`` (after the call) are not the arrays recorded in ``was``, or None
+    (``of``: what of each item the arrays are, e.g. ".grad " of a parameter)."""
+    if len(arrays) != len(was):
+        return f"left {len(arrays)} {what}s in the list of the {len(was)} it was given"
+    for i, (a, w) in enumerate(zip(arrays, was)):
+        now = before([a])[0]
+        for field in ("shape", "dtype", "device"):
+            old, new = getattr(w, field), getattr(now, field)
+            if old != new:
+                return f"changed {what} {i}'s {of}{field} from {old} to {new} in place"
+    return None
+
+
+def returned_arrays(
+    value: Any, given: Sequence[np.ndarray], was: Sequence[Before] | None = None
+) -> tuple[list[np.ndarray] | None, str | None]:
     """The arrays a call produced, or why its return is no clip of ``given``.
 
-    None means "clipped in place": the given arrays are the result.
+    ``was``: the given arrays as they were before the call (default: as they are now). None
+    means "clipped in place": the given arrays are the result, and must be as they were.
     """
+    if was is None:
+        was = before(given)
     if value is None:
+        why = changed(given, was)
+        if why is not None:
+            return None, why
         return [np.array(a, copy=True) for a in given], None
+    for i, (a, w) in enumerate(zip(given, was)):  # a returned clip may not reshape its input either
+        if tuple(a.shape) != w.shape:
+            return None, f"changed array {i}'s shape from {w.shape} to {tuple(a.shape)} in place"
     if hasattr(value, "grads") and hasattr(value, "total_norm"):  # gclip's ClipResult
         value = value.grads
     elif isinstance(value, tuple) and len(value) == 2 and _iterable(value[0]) and _number(value[1]):
@@ -93,12 +132,13 @@ def returned_arrays(value: Any, given: Sequence[np.ndarray]) -> tuple[list[np.nd
         return None, f"returned something that is not arrays ({type(exc).__name__}: {exc})"
     if len(items) != len(given):
         return None, f"returned {len(items)} arrays for the {len(given)} it was given"
-    for i, (got, was, item) in enumerate(zip(items, given, raw)):
-        if got.size != was.size:
-            return None, f"returned array {i} with {got.size} values, given {was.size}"
+    for i, (got, w, item) in enumerate(zip(items, was, raw)):
+        size = math.prod(w.shape)
+        if got.size != size:
+            return None, f"returned array {i} with {got.size} values, given {size}"
         if got.dtype.kind not in "fiu":
             return None, f"returned array {i} of dtype {got.dtype}, not numbers"
         # an optimizer needs each array in its own shape; only an empty list stands for any empty shape
-        if got.shape != was.shape and not (was.size == 0 and isinstance(item, (list, tuple))):
-            return None, f"returned array {i} of shape {got.shape} for one of shape {was.shape}"
-    return [np.asarray(g).reshape(w.shape) for g, w in zip(items, given)], None
+        if got.shape != w.shape and not (size == 0 and isinstance(item, (list, tuple))):
+            return None, f"returned array {i} of shape {got.shape} for one of shape {w.shape}"
+    return [np.asarray(g).reshape(w.shape) for g, w in zip(items, was)], None

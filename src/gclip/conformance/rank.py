@@ -40,11 +40,12 @@ class _Sink:
             data = data[os.write(self.fd, data) :]
 
 
-def outcome_event(value: Any, given: list[np.ndarray]) -> dict:
-    """The outcome of one call as an event: the arrays, or why the return is no clip."""
+def outcome_event(value: Any, given: list[np.ndarray], was: Any = None) -> dict:
+    """The outcome of one call as an event: the arrays, or why the return is no clip
+    (``was``: the arrays' shapes and dtypes recorded before the call)."""
     from .outcome import encode, returned_arrays
 
-    arrays, why = returned_arrays(value, given)
+    arrays, why = returned_arrays(value, given, was)
     if arrays is None:
         return {"kind": "bad", "msg": why}
     return {"kind": "value", "value": encode(arrays)}
@@ -53,13 +54,15 @@ def outcome_event(value: Any, given: list[np.ndarray]) -> dict:
 def call_numpy(fn: Any, arrays: list[np.ndarray], max_norm: float, comm: Any, *extra: Any) -> dict:
     """Call ``fn(grads, max_norm, comm, *extra)`` on copies; its outcome as an event."""
     from ..errors import exception_line
+    from .outcome import before
 
     given = [np.array(a, copy=True) for a in arrays]
+    was = before(given)  # before the call: a clip that reshapes its input changes the input too
     try:
         value = fn(given, max_norm, comm, *extra)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are outcomes too
         return {"kind": "raised", "msg": exception_line(exc, limit=MESSAGE_LIMIT)}
-    return outcome_event(value, given)
+    return outcome_event(value, given, was)
 
 
 def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any) -> dict:
@@ -67,13 +70,14 @@ def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any) 
     import torch
 
     from ..errors import exception_line
-    from .outcome import encode
+    from .outcome import before, changed, encode
 
     params = []
     for a in arrays:
         p = torch.nn.Parameter(torch.zeros(a.shape, dtype=torch.from_numpy(a).dtype))
         p.grad = torch.from_numpy(np.array(a, copy=True))
         params.append(p)
+    was = before([p.grad for p in params])  # shape, dtype and device of each .grad, before the call
     try:
         fn(params, max_norm, group)
     except BaseException as exc:  # noqa: BLE001 - as above
@@ -81,6 +85,9 @@ def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any) 
     lost = [i for i, p in enumerate(params) if p.grad is None]
     if lost:
         return {"kind": "bad", "msg": f"parameter {lost[0]}'s .grad became None"}
+    why = changed([p.grad for p in params], was, "parameter", ".grad ")
+    if why is not None:
+        return {"kind": "bad", "msg": why}
     return {"kind": "value", "value": encode([p.grad.detach().cpu().numpy() for p in params])}
 
 
@@ -99,7 +106,7 @@ def main(jobdir: str) -> int:
         sink({"e": "hello", "pid": os.getpid()})
     from ..errors import exception_line
     from . import recorder
-    from .target import load
+    from .target import form_error, load
 
     private = world.Dup()  # the judge's barrier, apart from whatever the function does
     comm = recorder.recorded(world.Dup())
@@ -123,6 +130,10 @@ def main(jobdir: str) -> int:
         return 0
     except BaseException as exc:  # noqa: BLE001 - anything the file does while loading
         sink({"e": "usage", "msg": f"cannot load {job['where']}: {exception_line(exc, limit=MESSAGE_LIMIT)}"})
+        return 0
+    misfit = form_error(fn, job["mode"], f"{job['where']}:{job['func']}")
+    if misfit is not None:
+        sink({"e": "usage", "msg": misfit})
         return 0
     with open(os.path.join(jobdir, "cases.pkl"), "rb") as f:
         cases = pickle.load(f)

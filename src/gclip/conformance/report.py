@@ -11,6 +11,7 @@ from .verdict import Verdict
 
 __all__ = [
     "as_json",
+    "benign_words",
     "fingerprint_lines",
     "first_failures",
     "head",
@@ -31,6 +32,7 @@ def verdict_fields(v: Any, count: int, seed: int, timeout: float) -> dict:
         "failed": len(v.failed),
         "fingerprint": v.fingerprint,
         "fingerprint_scores": v.scores,
+        "fingerprint_benign": list(getattr(v, "benign", ())),
         "stopped": v.stopped,
         "random": count,
         "seed": seed,
@@ -72,11 +74,18 @@ def verdict_line(grade: str, failed: int, checks: int, fingerprint: str | None, 
     return color(f"verdict: FAIL ({failed} of {checks} checks failed)", "31")
 
 
-def fingerprint_lines(name: str | None, score: float | None, unknown_hint: str) -> list[str]:
+def benign_words(benign: tuple[str, ...] | list[str]) -> str:
+    """' (with float32 rounding and epsilon 1e-6)': the harmless differences beside a bug."""
+    return f" (with {' and '.join(benign)})" if benign else ""
+
+
+def fingerprint_lines(
+    name: str | None, score: float | None, unknown_hint: str, benign: tuple[str, ...] = ()
+) -> list[str]:
     """The gallery bug the implementation reproduces, in a learner's words."""
     bug: Any = STRATEGIES.get(name or "") or LAYOUT_BUG_NAMES.get(name or "")
     if bug is not None:
-        lines = [f"fingerprint: {bug.name}: {bug.summary}"]
+        lines = [f"fingerprint: {bug.name}{benign_words(benign)}: {bug.summary}"]
         if bug.incident:
             lines.append(f"  seen in: {bug.incident}")
         lines.append(f"  why it is wrong: {bug.explanation}")
@@ -123,7 +132,8 @@ def head(
     if not v.passed:
         scales = any(v.hints.get(i) for i in v.failed[:shown])
         hint = NO_BUG_HINT if scales else NO_BUG_REASONS
-        lines += fingerprint_lines(v.fingerprint, v.scores.get(v.fingerprint or ""), hint)
+        score = v.scores.get(v.fingerprint or "")
+        lines += fingerprint_lines(v.fingerprint, score, hint, getattr(v, "benign", ()))
         lines.append(first_failures(shown, len(v.failed)))
     return lines
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._lab.jsonout import dumps
 from ..errors import exception_line
-from .target import LoadError, Target, load
+from .target import LoadError, Target, form_error, load
 
 __all__ = ["MESSAGE_LIMIT", "Outcome", "Worker", "rows_of", "serve", "start"]
 
@@ -50,6 +50,10 @@ def serve() -> None:
         return
     except BaseException as exc:  # noqa: BLE001 - anything the file does while loading
         send({"usage": f"cannot load {target}: {exception_line(exc, limit=MESSAGE_LIMIT)}"})
+        return
+    misfit = form_error(fn, "single", f"{target}:{func}")
+    if misfit is not None:
+        send({"usage": misfit})
         return
     send({"loaded": True, "note": note})
 

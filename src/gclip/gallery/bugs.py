@@ -439,8 +439,7 @@ LAYOUT_BUGS: tuple[LayoutBug, ...] = (
     LayoutBug(
         "experts-left-out",
         "expert gradients scaled but left out of the norm",
-        "DeepSpeed PR #8613 (fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0); "
-        "Megatron-LM PR #5916 (with EP and TP some experts omitted)",
+        "DeepSpeed PR #8613 (fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0)",
         "The norm covers the dense weights only, so it is too small and the experts, often most of "
         "a mixture-of-experts model, are clipped too little. The scale is the same on every rank, so "
         "the direction is kept: the step is too long.",

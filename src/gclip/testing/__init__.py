@@ -35,6 +35,9 @@ def assert_conforms(
     random: int = 50,
     seed: int = 0,
     timeout: float = 10.0,
+    dtype: str | None = None,
+    nonempty_ranks: bool = False,
+    positive_max_norm: bool = False,
 ) -> None:
     """Assert that ``fn(grads, max_norm, comm)`` clips like gclip on the ranks of ``comm``.
 
@@ -46,14 +49,20 @@ def assert_conforms(
     contract's checks spread over the ranks, ranks holding several, no or
     only empty arrays, float32 and float64, edge cases and ``random`` seeded
     layouts. ``timeout``: seconds one case may take before the watchdog
-    aborts the job (with a message naming the ranks that hung).
+    aborts the job (with a message naming the ranks that hung). ``dtype``,
+    ``nonempty_ranks`` and ``positive_max_norm`` keep only the cases of one
+    family (every array in that dtype, every rank holding values, a limit above
+    0), as the command's ``--dtype``, ``--nonempty-ranks`` and
+    ``--positive-max-norm`` do, for code that assumes them.
 
     Raises AssertionError, with the same message on every rank, naming the
     gallery bug ``fn`` reproduces when it is one. On one rank it warns
     (``UserWarning``): a per-rank clip cannot be told from the global one there.
     """
     from .._validate import communicator
+    from ..conformance.families import DTYPES, Family
     from ..conformance.inprocess import conforms
+    from ..conformance.target import form_error
 
     comm = communicator(comm)
     if comm.Get_size() == 1:
@@ -62,6 +71,13 @@ def assert_conforms(
         raise ValueError(f"random must be a whole number >= 0, got {random!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    verdict, message = conforms(fn, comm, count=random, seed=seed, timeout=float(timeout))
+    misfit = form_error(fn, "numpy", getattr(fn, "__qualname__", repr(fn)))
+    if misfit is not None:  # a TypeError on every rank alike, before any case runs
+        misfit = misfit.split(": for a ")[0]
+        raise TypeError(f"gclip.testing.assert_conforms: {misfit}; it calls fn(grads, max_norm, comm)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    family = Family(dtype, bool(nonempty_ranks), bool(positive_max_norm))
+    verdict, message = conforms(fn, comm, count=random, seed=seed, timeout=float(timeout), family=family)
     if not verdict.passed:
         raise AssertionError(message)

@@ -1,0 +1,93 @@
+"""The judge on real code: each clipping function of tests/corpus, transcribed from a public
+project (each file cites its repository, path and commit, and a buggy one the PR that fixed it),
+graded as its original deserves: the buggy versions FAIL named by their bug, the correct ones,
+which differ only by torch's epsilon and float32, are a NEAR MISS named ``epsilon``. The same table
+is in docs/judge.md (checked below)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the corpus is torch code (judged with --torch)")
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "corpus"
+
+# file, the family it is judged on, grade, fingerprint, the differences it may have beside it
+TABLE = [
+    ("torchtitan_before_649.py", (), "fail", "per-rank", ["float32 rounding", "epsilon 1e-6"]),
+    ("torchtitan_after_649.py", ("--dtype", "float32", "--nonempty-ranks"), "near miss", "epsilon", []),
+    ("fastmoe_before_65.py", ("--dtype", "float32"), "fail", "sum-of-norms", ["epsilon 1e-6"]),
+    ("fastmoe_after_65.py", ("--dtype", "float32"), "near miss", "epsilon", []),
+    ("areal_before_1139.py", ("--timeout", "3"), "fail", "skip-collective", []),
+    ("areal_after_1139.py", (), "near miss", "epsilon", ["float32 rounding"]),
+    (
+        "fairscale_oss_before_263.py",
+        ("--dtype", "float16", "--nonempty-ranks"),
+        "fail",
+        "fp16-sumsq",
+        ["the all-reduce in float16"],
+    ),
+    ("fairscale_oss.py", ("--dtype", "float32"), "near miss", "epsilon", []),
+    (
+        "fairscale_oss.py",
+        ("--dtype", "float16", "--nonempty-ranks"),
+        "fail",
+        "fp16-sumsq",
+        ["the all-reduce in float16"],
+    ),
+    ("megatron_clip_grads.py", ("--dtype", "float32"), "near miss", "epsilon", []),
+]
+
+
+def judge(name: str, *family: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{CORPUS / name}:clip", "--ranks", "2", "--torch"]
+    cmd += ["--json", "--random", "12", "--timeout", "20", *family]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])  # none is exact: exit 1
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("name,family,grade,bug,benign", TABLE, ids=[f"{t[0]}{''.join(t[1])}" for t in TABLE])
+def test_real_code_is_graded_as_it_deserves(name, family, grade, bug, benign):
+    out = judge(name, *family)
+    assert out["grade"] == grade and out["fingerprint"] == bug, (
+        out["grade"],
+        out["fingerprint"],
+        out["near_miss"],
+    )
+    assert set(out["fingerprint_benign"]) <= set(benign)
+    if grade == "near miss":  # a correct norm: off by float32 rounding, and the epsilon on tiny norms
+        assert "by up to" in out["near_miss"]
+
+
+def test_every_file_cites_repository_path_and_commit_and_a_buggy_one_its_pr():
+    files = sorted(p for p in CORPUS.glob("*.py") if p.name != "__init__.py")
+    assert len(files) >= 8 and {t[0] for t in TABLE} == {p.name for p in files}
+    for path in files:
+        doc = path.read_text().split('"""')[1]
+        assert re.search(r"Source: [\w-]+/[\w-]+, [\w/.-]+\.(py|patch)\b", doc), path.name
+        assert re.search(r"\b[0-9a-f]{40}\b", doc), path.name
+        if "_before_" in path.name:
+            assert re.search(rf"#{path.stem.rsplit('_', 1)[1]}\b", doc), path.name
+    assert sum("_before_" in p.name for p in files) >= 4
+
+
+def test_the_docs_show_the_table():
+    text = (ROOT / "docs" / "judge.md").read_text()
+    for name, family, grade, bug, _ in TABLE:
+        flags = " ".join(family)
+        row = (
+            f"| `tests/corpus/{name}` | `{flags}` | {grade.upper()} | `{bug}` |"
+            if flags
+            else f"| `tests/corpus/{name}` | | {grade.upper()} | `{bug}` |"
+        )
+        assert row in text, row
