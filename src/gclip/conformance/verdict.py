@@ -128,7 +128,7 @@ def _bug_outputs(cases: Sequence[Case]) -> dict[str, list[list | None]]:
                     continue
                 scales = [r.scale if r.scale < 1.0 else 1.0 for r in results]
                 eps = [
-                    rounded(g[0] * (case.limit / (case.limit / s + strategies.TORCH_EPS) if 0 < s < 1 else s))
+                    rounded(g[0] * (case.limit / (case.limit / s + gallery.TORCH_EPS) if 0 < s < 1 else s))
                     for g, s in zip(ranks, scales)
                 ]
                 rows.append((plain, eps))  # type: ignore[arg-type]
