@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..clip import apply_scale
-from ..gallery import TORCH_EPS, clip_simulated
+from ..gallery import STRATEGIES, TORCH_EPS, clip_simulated
 from . import implied, layout_cases
 from .dverdict import (
     EPSILON,
@@ -56,7 +56,7 @@ def rank_cases(
     # each bug as real code writes it too: with torch's epsilon, in float32, or both
     # (torch's own clip_grad_norm_ on each rank's shard is per-rank with both)
     for name in gallery:
-        has_epsilon = gallery.STRATEGIES[name].epsilon > 0 if name in gallery.STRATEGIES else True
+        has_epsilon = STRATEGIES[name].epsilon > 0 if name in STRATEGIES else True
         gallery[name] = [_variants(c, out, has_epsilon) for c, out in zip(cases, gallery[name])]
     # fp16-sumsq with the all-reduce in float16 too (a float16 norm all-reduced as it is):
     # the total overflows where each rank's share does not
