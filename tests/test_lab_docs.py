@@ -620,7 +620,7 @@ def check_6b(a, out):
     """Under DDP every rank holds the same whole gradient: per-rank clipping is the global clip."""
     assert a.startswith("right") and "at most 1" in a
     whole_grad = np.random.default_rng(6).standard_normal(50) * 3
-    per_rank = gclip.clip_simulated([[whole_grad.copy()] for _ in range(8)], 1.0, mode="per-rank",
+    per_rank = gclip.gallery.clip_simulated([[whole_grad.copy()] for _ in range(8)], 1.0, mode="per-rank",
                                     replicated=[True])  # fmt: skip
     want = whole_grad * min(
         1.0, 1.0 / float(np.sqrt(np.sum(whole_grad**2)))
