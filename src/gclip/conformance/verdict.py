@@ -202,6 +202,7 @@ def grade(
     fingerprint_name: str | None,
     stopped: str | None,
     unrounded: Sequence[int] = (),
+    unrounded_by: float = 0.0,
 ) -> tuple[str, str | None]:
     """("pass" | "near miss" | "fail", how near).
 
@@ -213,14 +214,15 @@ def grade(
     counted apart as well, when other checks are near misses. ``errors[i]`` is
     None when case i gave no value of the right layout; ``norms[i]`` is the
     case's global norm. ``unrounded``: failed cases whose values are right within the tolerance
-    but not rounded to 12 decimals (so off by less than 5e-13): graded as a near miss of that size.
+    but not rounded to 12 decimals, off by at most ``unrounded_by`` (measured): graded as a near
+    miss of that size.
     """
     if not failed and stopped is None:
         return "pass", None
     if stopped is not None or any(errors[i] is None for i in failed):
         return "fail", None
     if unrounded:
-        right = f"within {ABS_TOL:g} of the exact values but not rounded to {DIGITS} decimals"
+        right = f"off by at most {unrounded_by:.2g} in the last digits: not rounded to {DIGITS} decimals"
         others = [i for i in failed if i not in set(unrounded)]
         if not others:
             return "near miss", right
@@ -307,7 +309,16 @@ def judge(target: Target, count: int = 200, seed: int = 0, timeout: float = 5.0)
     ]
     norms = [math.sqrt(math.fsum(float(v) ** 2 for s in c.shards for v in s)) for c in cases]
     unrounded = [i for i in failed if outcomes[i].value is not None and _same(outcomes[i].value, expected[i])]
-    level, near = grade(norms, errors, failed, name, stopped, unrounded)
+    unrounded_by = max(
+        (
+            abs(a - b)
+            for i in unrounded
+            for ra, rb in zip(outcomes[i].value, expected[i])
+            for a, b in zip(ra, rb)
+        ),
+        default=0.0,
+    )
+    level, near = grade(norms, errors, failed, name, stopped, unrounded, unrounded_by)
     hints = {
         i: _hints(cases[i], outcomes[i].value, cases[i].limit)
         for i in failed
