@@ -32,10 +32,10 @@ def shard_step(comm, folded: bool, inf: bool):
         params[0].grad[5] = math.inf
     before = [p.detach().clone() for p in params]
     if folded:
-        gt.clip_step(opt, 1.0, scaler=scaler, comm=comm)
+        gt.clip_step(opt, 1.0, scaler=scaler, comm=comm, replicated=False)
     else:
         scaler.unscale_(opt)
-        gt.clip_grad_norm_(params, 1.0, comm=comm)
+        gt.clip_grad_norm_(params, 1.0, comm=comm, replicated=False)
         scaler.step(opt)
     scaler.update()
     stepped = not all(torch.equal(a, p) for a, p in zip(before, params))

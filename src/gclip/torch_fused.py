@@ -146,6 +146,8 @@ def _clip_step(
         first gradient's device, the same on every rank.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if replicated is not None and not isinstance(replicated, (list, tuple)):
+        replicated = [replicated] * len(params)  # one entry alone, as gclip.torch takes it: for every one
     if replicated is not None and len(replicated) != len(params):
         raise ValueError(
             f"replicated has {len(replicated)} entries for {len(params)} parameters of the optimizer"

@@ -79,7 +79,7 @@ def _ops(
         opt.step()
 
     def folded() -> None:
-        gclip_torch.clip_step(opt, limit, comm=group)
+        gclip_torch.clip_step(opt, limit, comm=group, replicated=False)
 
     def amp_step() -> None:
         scaler.step(opt)
@@ -92,7 +92,7 @@ def _ops(
         scaler.update()
 
     def folded_amp() -> None:
-        gclip_torch.clip_step(opt, limit, scaler=scaler, comm=group)
+        gclip_torch.clip_step(opt, limit, scaler=scaler, comm=group, replicated=False)
         scaler.update()
 
     return opt, [
@@ -139,7 +139,7 @@ def bench_step(comm: Any, torch_ctx: Any, names: list[str], repeat: int | None) 
         if workload.name not in names:
             continue
         params, saved = _setup(torch_ctx.torch, workload, comm.Get_rank())
-        norm = float(gclip_torch.get_total_norm(saved, comm=torch_ctx.dist.group.WORLD))
+        norm = float(gclip_torch.get_total_norm(saved, comm=torch_ctx.dist.group.WORLD, replicated=False))
         _, ops = _ops(torch_ctx, params, 0.5 * norm)
         times = _time(comm, torch_ctx.torch, params, saved, ops, repeat or workload.repeat)
         every = comm.gather(times, root=0)
