@@ -146,15 +146,15 @@ def _clip_step(
         first gradient's device, the same on every rank.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if replicated is not None and not isinstance(replicated, (list, tuple)):
-        replicated = [replicated] * len(params)  # one entry alone, as gclip.torch takes it: for every one
-    if replicated is not None and len(replicated) != len(params):
-        raise ValueError(
-            f"replicated has {len(replicated)} entries for {len(params)} parameters of the optimizer"
-        )
     have = [i for i, p in enumerate(params) if p.grad is not None]
     grads = [params[i].grad for i in have]
-    entries = None if replicated is None else [replicated[i] for i in have]
+    entries = replicated  # None, or one entry alone: gclip.torch applies it to every gradient
+    if isinstance(replicated, (list, tuple)):  # one per parameter: those with a gradient
+        if len(replicated) != len(params):
+            raise ValueError(
+                f"replicated has {len(replicated)} entries for {len(params)} parameters of the optimizer"
+            )
+        entries = [replicated[i] for i in have]
     loss_scale = _loss_scale(scaler, optimizer)
     amp = scaler is not None and scaler.is_enabled()
     norm_t = _norm(
