@@ -73,7 +73,8 @@ def _prepare(
 def _finish(checked: call.Call, info: engine.NormInfo) -> ClipResult:
     """The scale, applied. A non-finite norm was already raised on every rank if asked."""
     norm = info.norm
-    scale = checked.spec.steps.scale(norm, checked.limit)
+    steps = checked.spec.steps
+    scale = policy.scale(norm, checked.limit) if steps.scale is None else steps.scale(norm, checked.limit)
     out = _scaled(checked.given, scale, checked.inplace)
     return ClipResult(out, norm, scale, math.isfinite(norm), info.local_norm, info.local_power)
 

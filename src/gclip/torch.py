@@ -484,7 +484,9 @@ def clip_grad_norm_by(
     """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     gradients = lambda: _gradients(parameters, replicated, of_parameters=True)  # noqa: E731
     checked, norm = _norm(comm, gradients, max_norm, steps, **settings)
-    _scale_(checked.arrays, checked.spec.steps.scale(norm, checked.limit), foreach)
+    hook = checked.spec.steps
+    scale = policy.scale(norm, checked.limit) if hook.scale is None else hook.scale(norm, checked.limit)
+    _scale_(checked.arrays, scale, foreach)
     return _norm_tensor(norm, checked.arrays)
 
 
