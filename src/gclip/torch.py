@@ -22,7 +22,7 @@ rank, and any rank's bad input raised as the same error on every rank.
 - Partials are computed where each tensor lives (``gclip._torch_partials``):
   float64 accumulation in bounded chunks, one sync per device; only the
   header's few numbers cross to the host; the scale is applied on the device,
-  each gradient in its own dtype.
+  each gradient in its own dtype (``_torch_partials.scale``).
 - The norm comes back as a float64 0-d tensor on the first gradient's device:
   its value is the float64 global norm (torch returns the gradients' dtype).
 
@@ -31,7 +31,8 @@ See docs/torch.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _dtensor, _torch_partials, _torch_replicas, _validate, call, clip, engine, layout, policy
+from . import _dtensor, _torch_partials, _torch_replicas, _validate, call, clip, engine, layout
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
@@ -61,15 +62,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # the communicator: mpi4py, or a torch.distributed process group
 
 
-class _Mpi:
+class _Mpi(engine.Mpi):
     """An mpi4py communicator: the engine's MPI driver."""
-
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-
-    def run(self, program: engine.Program) -> engine.NormInfo:
-        return engine.run_mpi(program, self.comm)
 
     def group(self, entry: Any, index: int) -> layout.Group:
         """A replicated= communicator as the ranks of comm it holds."""
@@ -88,7 +82,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: engine.Program) -> engine.NormInfo:
+    def run(self, program: call.Program) -> call.Done:
         return engine.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -191,9 +185,29 @@ def _checked(g: Any, where: str) -> torch.Tensor:
 
 
 class _Gradients(NamedTuple):
+    """The gradients read for one call (the call layer's ``given``, see ``gclip.call``)."""
+
     tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
     entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
     wheres: list[str]  # where it came from, for messages
+    foreach: bool | None = None  # how the factor is applied: False, tensor by tensor
+
+    def scaled(self, factor: float, inplace: bool) -> None:
+        """Each gradient multiplied in place by ``factor`` (torch's clip is always in place)."""
+        _torch_partials.scale(self.tensors, factor, self.foreach)
+
+
+def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, foreach: bool | None) -> Any:
+    """The call layer's reader for tensors: (the gradients, each distinct one once, their entries)."""
+    read = _gradients(items, replicated, of_parameters=of_parameters)._replace(foreach=foreach)
+    return read, read.tensors, read.entries
+
+
+@functools.cache
+def _backend(of_parameters: bool, foreach: bool | None) -> call.Backend:
+    """Tensors as the call layer reads them (parameters' .grad, or the tensors themselves)."""
+    read = functools.partial(_read, of_parameters=of_parameters, foreach=foreach)
+    return call.Backend(read, _torch_partials)
 
 
 def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradients:
@@ -304,61 +318,20 @@ def _span(g: torch.Tensor) -> tuple[int, int]:
 # one rank's checked call, the norm, the scale
 
 
-def _norm(
-    comm: Any, gradients: Callable[[], _Gradients], max_norm: Any, steps: engine.Steps, **settings: Any
-) -> tuple[call.Call, float]:
-    """The checked call (through the call layer, ``gclip.call``) and the global norm of its gradients."""
+def _run(
+    items: Any, max_norm: Any, backend: call.Backend, *, comm: Any, replicated: Any, **settings: Any
+) -> torch.Tensor:
+    """One call through the call layer (``gclip.call``), run over ``comm``: the global norm as
+    torch returns it, a 0-d tensor on the first gradient's device (in float64)."""
     world = _world(comm)
 
-    wheres: list[str] = []
+    def counting(given: _Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+        return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
-    def collect() -> call.Collected:
-        read = gradients()
-        wheres[:] = read.wheres
-        return read.tensors, read.tensors, read.entries
-
-    def counting(entries: Any, tensors: Sequence[Any]) -> engine.Counting:
-        return _dtensor.counting(world, tensors, entries, wheres)  # placements, declarations, groups
-
-    checked = call.prepare(
-        collect, max_norm, rank=world.rank, size=world.size, steps=steps, counting=counting, **settings
-    )
-    return checked, world.run(call.program(checked, world.rank, world.size, _torch_partials)).norm
-
-
-def _norm_tensor(norm: float, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The norm as torch returns it (a 0-d tensor on the first gradient's device), in float64.
-    (torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device)"""
-    return torch.full((), norm, dtype=torch.float64, device=grads[0].device if grads else "cpu")
-
-
-def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -> None:
-    """Multiply each gradient in place, in its own dtype, by ``scale`` rounded toward zero.
-
-    float64: the product, rounded once. float32, float16 and bfloat16: torch
-    computes in float32 with the scale rounded toward zero to float32 (never up,
-    so rounding the scale cannot lift the clipped norm above the limit), then
-    rounds each product to the gradient's dtype. The scale travels as a 0-d
-    tensor on the device, as torch's clip does: no sync, and foreach kernels keep
-    it in float32 (given as a Python float, they round it to bfloat16 on the CPU).
-    """
-    if scale == 1.0 or not grads:  # exactly 1: nothing to do, not even a read
-        return
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), group in groups.items():
-        if dtype == torch.float64:
-            factor = torch.full((), scale, dtype=torch.float64, device=device)
-        else:
-            factor = torch.full(
-                (), float(policy.float32_toward_zero(scale)), dtype=torch.float32, device=device
-            )
-        if foreach is False:
-            for g in group:
-                g.mul_(factor)
-        else:
-            torch._foreach_mul_(group, factor)
+    done = call.run(items, max_norm, world, backend, replicated=replicated, counting=counting, **settings)
+    device = done.arrays[0].device if done.arrays else "cpu"
+    # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
+    return torch.full((), done.info.norm, dtype=torch.float64, device=device)
 
 
 # ---------------------------------------------------------------------------
@@ -394,16 +367,16 @@ def get_total_norm(
             ``gclip._dtensor``). Required for plain tensors on more than one rank.
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
     """
-    checked, norm = _norm(
-        comm,
-        lambda: _gradients(tensors, replicated, of_parameters=False),
+    return _run(
+        tensors,
         call.NO_LIMIT,
-        engine.CORRECT,
+        _backend(False, None),
+        comm=comm,
+        replicated=replicated,
         norm_type=norm_type,
         reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
     )
-    return _norm_tensor(norm, checked.arrays)
 
 
 @torch.no_grad()
@@ -421,7 +394,7 @@ def clip_grads_with_norm_(
     """
     scale = clip.clip_scale(total_norm, max_norm)
     grads = _gradients(parameters, None, of_parameters=True).tensors
-    _scale_(grads, scale, foreach)
+    _torch_partials.scale(grads, scale, foreach)
 
 
 @torch.no_grad()
@@ -482,12 +455,10 @@ def clip_grad_norm_by(
     **settings: Any,
 ) -> torch.Tensor:
     """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    gradients = lambda: _gradients(parameters, replicated, of_parameters=True)  # noqa: E731
-    checked, norm = _norm(comm, gradients, max_norm, steps, **settings)
-    hook = checked.spec.steps
-    scale = policy.scale(norm, checked.limit) if hook.scale is None else hook.scale(norm, checked.limit)
-    _scale_(checked.arrays, scale, foreach)
-    return _norm_tensor(norm, checked.arrays)
+    backend = _backend(True, foreach)
+    return _run(
+        parameters, max_norm, backend, comm=comm, replicated=replicated, steps=steps, inplace=True, **settings
+    )
 
 
 # ---------------------------------------------------------------------------
