@@ -127,7 +127,7 @@ class Grads(NamedTuple):
                 )
         return out
 
-    def rebuild(self, outputs: list[Any]) -> Any:
+    def rebuild(self, outputs: Sequence[Any]) -> Any:
         """The outputs (one per distinct array) in the layout given; where a torch
         tensor was given, a tensor (on the new array's memory) comes back."""
         if self.container is None:
@@ -145,7 +145,7 @@ class Grads(NamedTuple):
         """The arrays multiplied by ``factor`` (``partials.scale``), in the layout given: in
         place, the very objects given (a factor of exactly 1 touches nothing); else new arrays."""
         out = partials.scale(self.arrays, factor, inplace)
-        return self.source if inplace else self.rebuild(list(out))
+        return self.source if inplace else self.rebuild(out)
 
 
 def _like(source: Any, out: np.ndarray) -> Any:

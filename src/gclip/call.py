@@ -174,11 +174,12 @@ def prepare(
     try:
         spec, limit = settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
         given, arrays, entries = backend.read(grads, replicated, inplace)
-        counted = (
-            layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
-            if counting is None
-            else counting(given, entries, arrays)
-        )
+        if counting is not None:
+            counted = counting(given, entries, arrays)
+        elif entries is None:  # no replicated=: every array is this rank's
+            counted = engine.EVERY_ARRAY
+        else:
+            counted = layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
         return Call(None, (), spec, limit, bool(error_if_nonfinite), inplace, engine.EVERY_ARRAY, exc)
     return Call(given, arrays, spec, limit, bool(error_if_nonfinite), inplace, counted, None)

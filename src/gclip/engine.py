@@ -350,21 +350,24 @@ def combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
     ``shares``: this rank's partial enters it (else it brings the neutral value).
     """
     p = spec.norm_type
-
-    def contribution(vec: list[float], fill: float = 0.0) -> np.ndarray:
-        return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
-
     if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
-        got = yield Reduce(contribution([local.power, float(local.nan)], -1.0), NormOp.MAX)
+        got = yield Reduce(_part([local.power, float(local.nan)], -1.0, shares=shares), NormOp.MAX)
         return (math.nan if got[1] > 0 else float(got[0])), None
     if local.part is not None:  # reproducible: integer digit counts, exact in any order
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
         return binned.summary(got)
     if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
-        norm = yield from rescued(local.counted if shares else (), p, contribution, local.backend)
+        part = functools.partial(_part, shares=shares)
+        norm = yield from rescued(local.counted if shares else (), p, part, local.backend)
         return norm, None
-    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum
+    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum: the default path
+
+
+def _part(vec: list[float], fill: float = 0.0, *, shares: bool) -> np.ndarray:
+    """This rank's part of a collective: its numbers, or ``fill`` (the neutral value) where
+    its partial does not enter."""
+    return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
 
 
 def rescued(
