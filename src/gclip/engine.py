@@ -463,26 +463,26 @@ def drive(
 
 
 class Mpi:
-    """The MPI driver: runs programs on this rank of an mpi4py communicator (:func:`run_mpi`)."""
+    """The MPI driver: runs programs on this rank of an mpi4py communicator, one buffer-based
+    ``Allreduce`` per ``Reduce``."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def run(self, program: Generator[Reduce | Gather, Any, T]) -> T:
-        return run_mpi(program, self.comm)
+        return drive(program, self._all_reduce, self.comm.allgather)
+
+    def _all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
+        MPI = _mpi()
+        out = np.empty(data.size)
+        self.comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
+        return out
 
 
 def run_mpi(program: Generator[Reduce | Gather, Any, T], comm: Comm) -> T:
     """Run a program on this rank of ``comm`` (mpi4py)."""
-    MPI = _mpi()
-
-    def all_reduce(data: np.ndarray, op: NormOp) -> np.ndarray:
-        out = np.empty(data.size)
-        comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
-        return out
-
-    return drive(program, all_reduce, comm.allgather)
+    return Mpi(comm).run(program)
 
 
 @functools.lru_cache(maxsize=1)
