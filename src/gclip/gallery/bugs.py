@@ -266,7 +266,8 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "mean-of-norms",
         "local norms averaged over ranks",
-        incident="DeepSpeed #8475 (AutoEP: rank-local norms averaged, 7.236 instead of 10.954)",
+        incident="DeepSpeed #8475 (AutoEP FP32 clipping averages rank-local norms across ranks that own "
+        "different experts)",
         explanation="The mean of the R local norms is between sqrt(R) and R times below the global "
         "norm, so clipping starts too late and clips too little.",
         share=Share.NORM,
@@ -479,7 +480,7 @@ LAYOUT_BUGS: tuple[LayoutBug, ...] = (
     LayoutBug(
         "experts-left-out",
         "expert gradients scaled but left out of the norm",
-        "DeepSpeed PR #8613 (fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0)",
+        "DeepSpeed PR #8613 (unfused fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0)",
         "The norm covers the dense weights only, so it is too small and the experts, often most of "
         "a mixture-of-experts model, are clipped too little. The scale is the same on every rank, so "
         "the direction is kept: the step is too long.",
