@@ -128,3 +128,35 @@ def test_diagnose_names_the_nan_of_an_overflowing_norm():
     assert d.grade == "fail" and d.bug == "nan-mask" and math.isnan(d.scales[0])
     wiped = diagnose(before, [np.zeros(2)], 1.0, comm=MPI.COMM_SELF)  # a float32 clip: max_norm / inf = 0
     assert wiped.grade == "near miss" and wiped.bug is None and "float32 overflows" in wiped.benign
+
+
+def test_the_layout_judge_runs_the_new_layout_bugs_on_the_lab_model():
+    """--layout's gallery: dense-expert-apart scales the experts and the other tensors by the limit over
+    the norm of each set (from the model's definition, each tensor whole, once); expert-tp-shards-dropped
+    applies one scale, larger than the correct one (its norm leaves tp-ranks > 0's expert shards out)."""
+    from gclip import Mesh
+    from gclip._lab import transformer
+    from gclip.conformance.layout_cases import layout_inputs, make_layout_cases, parse_layout, simulate
+
+    shape = parse_layout("dp=2,ep=2,tp=2")
+    case = make_layout_cases(shape, 0, seed=0)[0]  # float64, the limit half the model's norm
+    assert case.dtype == "float64" and not case.frozen
+    whole = transformer.model_shapes(True)
+    squares = {n: float(np.sum(np.square(transformer.full_tensor(n, s)))) for n, s in whole.items()}
+    experts = math.sqrt(math.fsum(v for n, v in squares.items() if ".experts." in n))
+    dense = math.sqrt(math.fsum(v for n, v in squares.items() if ".experts." not in n))
+    apart, dropped = (
+        simulate(case, shape, "dense-expert-apart"),
+        simulate(case, shape, "expert-tp-shards-dropped"),
+    )
+    correct = case.max_norm / math.hypot(experts, dense)
+    one = set()
+    for r in range(8):
+        arrays, _, pieces = layout_inputs(case, Mesh((r, 8), **shape))
+        for x, y, z, piece in zip(arrays, apart[r], dropped[r], pieces):
+            if not np.any(x):
+                continue
+            want = min(1.0, case.max_norm / (experts if ".experts." in piece.name else dense))
+            assert float(np.max(np.abs(y - want * x))) <= 1e-12 * float(np.max(np.abs(x))), piece.name
+            one.add(round(float(np.dot(z.ravel(), x.ravel()) / np.dot(x.ravel(), x.ravel())), 12))
+    assert len(one) == 1 and one.pop() > correct * 1.01
