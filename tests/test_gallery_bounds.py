@@ -16,6 +16,7 @@ transformer laid out over simulated meshes.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -352,3 +353,9 @@ def test_dense_expert_apart(axes):
         assert dn == pytest.approx(math.sqrt(dense), rel=1e-12)
         assert en == pytest.approx(math.sqrt(experts), rel=1e-12)
         assert ds == pytest.approx(LIMIT / math.sqrt(dense), rel=1e-12) and es != pytest.approx(ds)
+
+
+def test_the_expert_tp_factor_docs_give_is_the_runs():
+    used, true, _ = _layout_norms(dict(dp=2, ep=2, tp=2), "expert-tp-shards-dropped")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "layouts.md").read_text()
+    assert f"{used / true:.3f}x the norm on the lab's model at `dp=2,ep=2,tp=2`" in text
