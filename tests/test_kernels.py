@@ -113,6 +113,46 @@ def test_float32_kernel_counts_every_element_once(kernels, n):
     assert float(kernels.sumsq_f32(x)) == exact
 
 
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits of float32 values (their top halves: truncated, which is all a test needs)."""
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def fsum_of_bfloat16_squares(u: np.ndarray) -> float:
+    """The oracle: each bfloat16 widened exactly (its bits on top of a float32), squared exactly in
+    float64, the squares summed by math.fsum."""
+    return fsum_of_squares((u.astype(np.uint32) << 16).view(np.float32))
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 511, 512, 513, 1023, 8193, 9000])
+def test_bfloat16_kernel_counts_every_element_once(kernels, start, n):
+    # two values per 32-bit word: odd starts (a value before the first whole word) and odd ends,
+    # around the runs' and the hints' edges; powers of two whose squares sum exactly
+    bits = bfloat16_bits(np.ldexp(1.0, np.arange(n + 4) % 20 - 10) * np.where(np.arange(n + 4) % 3, 1, -1))
+    u = bits[start : start + n]
+    assert float(kernels.sumsq_bf16(u)) == fsum_of_bfloat16_squares(u)
+
+
+def test_bfloat16_kernel_is_float64_accurate_on_any_view(kernels):
+    rng = np.random.default_rng(21)
+    x = rng.normal(size=300_001) * np.exp(rng.uniform(-60, 60, 300_001))  # squares from 1e-52 to 1e52
+    x[[5, 6, 70_000]] = [1e-39, -3e-41, 0.0]  # a bfloat16 subnormal and a zero among them
+    bits = bfloat16_bits(x)
+    for u in (bits, bits[1:], bits[1:-1], bits[::3], bits[7::2]):
+        exact = fsum_of_bfloat16_squares(u)
+        got = float(kernels.sumsq_bf16(u))
+        assert abs(got - exact) <= 1e-13 * exact, f"{got!r} vs {exact!r}"
+
+
+def test_bfloat16_kernel_passes_inf_and_nan_on(kernels):
+    for special, want in ((np.inf, math.isinf), (np.nan, math.isnan)):
+        for where in (0, 1, 600, 1001):
+            u = bfloat16_bits(np.ones(1002))
+            u[where] = bfloat16_bits(np.array([special]))[0]
+            assert want(float(kernels.sumsq_bf16(u))), (special, where)
+
+
 def test_kernels_can_be_switched_off(numpy_only):
     assert numpy_only(_kernels.get) is None
 
