@@ -107,6 +107,9 @@ def step_vs_torch(workload: str, impl: str) -> Callable[[Measured], Reading | No
         sound = value == value  # NaN: torch's clip added nothing measurable
         note = f"{r['ranks']} rank(s), {'CPU' if cpu else 'wall'} time; adds {adds * 1e3:.3g} ms"
         note += f"; in wall time {r['vs_torch']:.2f}" if cpu else ""
+        fold = r.get("cpu_torch_fold_s" if cpu else "torch_fold_s")
+        if fold is not None:  # torch's fused step handed grad_scale, no norm: not gclip's to cut
+            note += f"; of it torch's grad_scale pass {fold * 1e3:.3g} ms"
         return Reading(value, note if sound else note + "; torch's clip added nothing measurable", sound)
 
     return read
