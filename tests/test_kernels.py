@@ -54,6 +54,53 @@ def test_reproducible_digits_hold_the_exact_sum_on_both_paths(kernels, numpy_onl
         assert abs(got - exact) <= bound * exact, f"{path}: {float(abs(got - exact) / exact):.3g} relative"
 
 
+def kept_bins(binned: partials.BinnedPowerSum, combined: np.ndarray) -> list[int]:
+    """The digit counts of the K bins the result keeps (from the top non-zero bin)."""
+    digits = combined[2:].reshape(binned.nbins, binned._DIGITS)
+    counts = [sum(int(d) << (binned._DIGIT_BITS * j) for j, d in enumerate(row)) for row in digits]
+    top = max((i for i, c in enumerate(counts) if c), default=binned.K - 1)
+    return counts[top - binned.K + 1 : top + 1]
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30, 1e-150, 1e150, 1e300, 1e-300, 1e-310])
+def test_compiled_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p, dtype, magnitude):
+    """The kernels fold blocks of KERNEL_BLOCK values, numpy blocks of BLOCK: the counts of the bins
+    the result keeps are the same integers, so the result has the same bits (large and tiny
+    magnitudes take the kernels' rescaled folds)."""
+    assert _kernels.KERNEL_BLOCK % partials.BLOCK == 0 and _kernels.KERNEL_BLOCK > partials.BLOCK
+    if dtype is np.float32 and not 1e-30 <= magnitude <= 1e30:
+        magnitude = 1.0
+    rng = np.random.default_rng(int(p * 1000 + math.log10(magnitude) + 500))
+    x = (rng.normal(size=_kernels.MIN_SIZE + 5 * _kernels.KERNEL_BLOCK + 77) * magnitude).astype(dtype)
+    x[::5] *= 1e-7
+    x[3 * _kernels.KERNEL_BLOCK : 3 * _kernels.KERNEL_BLOCK + 700] *= 1e-12  # a block far below the top
+    binned = partials.BinnedPowerSum(p)
+    compiled, plain = binned.local([x]), numpy_only(lambda: binned.local([x]))
+    assert kept_bins(binned, compiled) == kept_bins(binned, plain)
+    assert binned.summary(compiled) == binned.summary(plain)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_rescaled_folds_add_digit_sums_beyond_2_to_the_53_exactly(kernels, p):
+    """A block of values at the top of a bin beyond the unscaled folds' range (the rescaled folds):
+    each top digit near 2**43, their sum past 2**53, against the exact sum."""
+    binned = partials.BinnedPowerSum(p)
+    rng = np.random.default_rng(40 + p)
+    m = 2.0 - rng.random(_kernels.KERNEL_BLOCK) * 2.0**-10  # full 53-bit significands, odd low digits
+    if p == 2:  # squares m * 2**1054 just below 2**1055, the top of bin 23 (its unit 2**1012)
+        x = np.ldexp(np.sqrt(m), 527)
+    else:  # values m * 2**-882 just below 2**-881, the top of bin -21 (its unit 2**-924)
+        x = np.ldexp(m, -882)
+    exact = exact_sum(x, p)
+    counts = np.zeros((binned.nbins, 2), np.int64)
+    assert kernels.digits_view(x, p, counts, binned.W, binned._BIN_LO) == 0.0  # the kernel itself
+    got = binned.exact(binned._pack(counts, x.size, 0.0))
+    bound = Fraction(x.size) * Fraction(2) ** (-binned.W * (binned.K - 1))
+    assert abs(got - exact) <= bound * exact, float(abs(got - exact) / exact)
+
+
 @pytest.mark.parametrize("p", [1, 2])
 def test_reproducible_digits_given_chunk_by_chunk_hold_the_exact_sum(kernels, numpy_only, p):
     """local_stream (chunks cut anywhere, one buffer refilled) against the exact sum, both paths."""

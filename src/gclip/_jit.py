@@ -399,23 +399,25 @@ def _folds(y, z, p, m0, m1, m2, one):
 def _folds_scaled(y, p, k, width):
     # the numpy path itself, value by value: for blocks so large or small that
     # the unscaled constants above would leave float64's normal range
+    # (each digit, a whole number below 2**width, is added as an integer: a block's digit sum
+    # may pass 2**53, where a float64 sum would round)
     e = 1.5 * 2.0**52
     unit = 2.0**width
-    f0 = 0.0
-    f1 = 0.0
-    f2 = 0.0
+    f0 = 0
+    f1 = 0
+    f2 = 0
     for i in range(y.size):
         v = math.ldexp(abs(np.float64(y[i])), -k)
         if p == 2:
             v = v * v
         q = (v + e) - e
-        f0 += q
+        f0 += np.int64(q)
         v = (v - q) * unit
         q = (v + e) - e
-        f1 += q
+        f1 += np.int64(q)
         v = (v - q) * unit
-        f2 += (v + e) - e
-    return np.int64(f0), np.int64(f1), np.int64(f2)
+        f2 += np.int64((v + e) - e)
+    return f0, f1, f2
 
 
 @jit
