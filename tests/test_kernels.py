@@ -66,16 +66,17 @@ def kept_bins(binned: partials.BinnedPowerSum, combined: np.ndarray) -> list[int
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30, 1e-150, 1e150, 1e300, 1e-300, 1e-310])
 def test_compiled_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p, dtype, magnitude):
-    """The kernels fold blocks of KERNEL_BLOCK values, numpy blocks of BLOCK: the counts of the bins
+    """The kernels fold blocks of KERNEL_BLOCK_BYTES, numpy blocks of BLOCK values: the counts of the bins
     the result keeps are the same integers, so the result has the same bits (large and tiny
     magnitudes take the kernels' rescaled folds)."""
-    assert _kernels.KERNEL_BLOCK % partials.BLOCK == 0 and _kernels.KERNEL_BLOCK > partials.BLOCK
+    block = _kernels.kernel_block(np.dtype(dtype).itemsize)
+    assert block % partials.BLOCK == 0 and block > partials.BLOCK
     if dtype is np.float32 and not 1e-30 <= magnitude <= 1e30:
         magnitude = 1.0
     rng = np.random.default_rng(int(p * 1000 + math.log10(magnitude) + 500))
-    x = (rng.normal(size=_kernels.MIN_SIZE + 5 * _kernels.KERNEL_BLOCK + 77) * magnitude).astype(dtype)
+    x = (rng.normal(size=_kernels.MIN_SIZE + 5 * block + 77) * magnitude).astype(dtype)
     x[::5] *= 1e-7
-    x[3 * _kernels.KERNEL_BLOCK : 3 * _kernels.KERNEL_BLOCK + 700] *= 1e-12  # a block far below the top
+    x[3 * block : 3 * block + 700] *= 1e-12  # a block far below the top
     binned = partials.BinnedPowerSum(p)
     compiled, plain = binned.local([x]), numpy_only(lambda: binned.local([x]))
     assert kept_bins(binned, compiled) == kept_bins(binned, plain)
@@ -88,7 +89,7 @@ def test_rescaled_folds_add_digit_sums_beyond_2_to_the_53_exactly(kernels, p):
     each top digit near 2**43, their sum past 2**53, against the exact sum."""
     binned = partials.BinnedPowerSum(p)
     rng = np.random.default_rng(40 + p)
-    m = 2.0 - rng.random(_kernels.KERNEL_BLOCK) * 2.0**-10  # full 53-bit significands, odd low digits
+    m = 2.0 - rng.random(_kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
     if p == 2:  # squares m * 2**1054 just below 2**1055, the top of bin 23 (its unit 2**1012)
         x = np.ldexp(np.sqrt(m), 527)
     else:  # values m * 2**-882 just below 2**-881, the top of bin -21 (its unit 2**-924)

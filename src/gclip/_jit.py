@@ -474,11 +474,11 @@ def digits(x, p, counts, width, bin_lo, block):
 
 
 @jit
-def digits_table(ptr, size, kind, p, counts, width, bin_lo, block):
+def digits_table(ptr, size, kind, p, counts, width, bin_lo, block_bytes):
     special = 0.0
     for j in range(ptr.size):
         if kind[j] == F32:
-            special += digits(carray(ptr32(ptr[j]), size[j]), p, counts, width, bin_lo, block)
+            special += digits(carray(ptr32(ptr[j]), size[j]), p, counts, width, bin_lo, block_bytes // 4)
         elif kind[j] == F64:
-            special += digits(carray(ptr64(ptr[j]), size[j]), p, counts, width, bin_lo, block)
+            special += digits(carray(ptr64(ptr[j]), size[j]), p, counts, width, bin_lo, block_bytes // 8)
     return special
