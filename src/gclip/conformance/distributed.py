@@ -28,7 +28,7 @@ from .dverdict import (
     gallery_names,
     judge_runs,
 )
-from .families import ALL_CASES, Family, choose
+from .families import ALL_CASES, Family, choose, family_of
 from .job import JobSpec, run_cases
 from .spread import RankCase, make_rank_cases
 from .target import Target
@@ -142,8 +142,13 @@ def judge_distributed(
         cases, views, gallery = rank_cases(size, count, seed, family)
         mode = "torch" if torch else "numpy"
     spec = JobSpec(target, size, mode, layout, timeout)
-    runs = run_cases(spec, cases)
+    runs = run_cases(spec, cases, [family_of(v.ranks) for v in views])
     note = runs.note
     if family:
         note = f"cases of one family: {family.words()}" + (f"; {note}" if note else "")
-    return judge_runs(str(target), size, views, runs.runs, gallery, runs.stopped, note)
+    if runs.ran is not None:  # the cases of a family that crashed were left out: judge those that ran
+        views = [views[i] for i in runs.ran]
+        gallery = {name: [outputs[i] for i in runs.ran] for name, outputs in gallery.items()}
+    return judge_runs(
+        str(target), size, views, runs.runs, gallery, runs.stopped, note, not_run=runs.not_run or {}
+    )
