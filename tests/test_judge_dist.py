@@ -395,7 +395,7 @@ def test_text_verdict_of_a_deadlock_points_to_the_reasons_not_to_scales(tmp_path
         (["--layout", "pp=2,tp=2", "--ranks", "3"], "is 4 ranks, but --ranks says 3"),
         (["--layout", "pp=2,xx=2"], "unknown axis"),
         (["--layout", "tp=5"], "does not split them evenly"),
-        (["--layout", "pp=2", "--torch"], "cannot be combined"),
+        (["--dtype", "float32"], "need --ranks R or --layout L"),
     ],
 )
 def test_usage_errors_of_the_distributed_judge(tmp_path, args, message):

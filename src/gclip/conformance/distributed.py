@@ -108,8 +108,24 @@ def _with_epsilon(case: RankCase, outputs: Sequence[Sequence[np.ndarray]]) -> li
     return out
 
 
-def _layout_cases(shape: dict[str, int], count: int, seed: int) -> tuple[list[Any], list[DistCase], dict]:
-    cases = layout_cases.make_layout_cases(shape, count, seed)
+def _layout_family(cases: Sequence[Any], family: Family) -> list[Any]:
+    """The layout cases of ``family``: in its dtype, with max_norm > 0, no frozen stage."""
+    out, labels = [], set()
+    for c in cases:
+        if (family.positive and not c.max_norm > 0) or (family.nonempty and c.frozen):
+            continue
+        if family.dtype is not None and c.dtype != family.dtype:
+            c = c._replace(dtype=family.dtype, label=c.label.replace(c.dtype, family.dtype))
+        if c.label not in labels:  # the fixed cases of the other dtype become this dtype's
+            labels.add(c.label)
+            out.append(c)
+    return out
+
+
+def _layout_cases(
+    shape: dict[str, int], count: int, seed: int, family: Family = ALL_CASES
+) -> tuple[list[Any], list[DistCase], dict]:
+    cases = _layout_family(layout_cases.make_layout_cases(shape, count, seed), family)
     views = []
     for c in cases:
         ranks, entries = layout_cases._simulated_inputs(c, shape, None)
@@ -136,8 +152,8 @@ def judge_distributed(
     """Run FUNC on ``size`` ranks over every case of ``family`` and judge what each rank did."""
     if layout is not None:
         size = math.prod(layout.values())
-        cases, views, gallery = _layout_cases(layout, count, seed)
-        mode = "layout"
+        cases, views, gallery = _layout_cases(layout, count, seed, family)
+        mode = "torch-layout" if torch else "layout"
     else:
         cases, views, gallery = rank_cases(size, count, seed, family)
         mode = "torch" if torch else "numpy"

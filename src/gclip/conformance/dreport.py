@@ -18,7 +18,8 @@ MAX_VALUES = 2000  # a failure lists its arrays' values up to this many per case
 
 def _mode_words(mode: str, layout: dict[str, int] | None) -> str:
     if layout:
-        return f" over the layout {','.join(f'{k}={v}' for k, v in layout.items())}"
+        torch = " with torch.distributed (gloo)" if mode == "torch-layout" else ""
+        return f" over the layout {','.join(f'{k}={v}' for k, v in layout.items())}{torch}"
     return " with torch.distributed (gloo)" if mode == "torch" else ""
 
 
