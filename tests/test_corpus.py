@@ -45,6 +45,9 @@ TABLE = [
         ["the all-reduce in float16"],
     ),
     ("megatron_clip_grads.py", ("--dtype", "float32"), "near miss", "epsilon", []),
+    ("torch_fsdp1.py", ("--dtype", "float32"), "near miss", "epsilon", []),
+    ("fairscale_fsdp.py", ("--dtype", "float32"), "near miss", "epsilon", []),
+    ("torchtitan_current.py", ("--dtype", "float32"), "near miss", "epsilon", []),
     (
         "megatron_optimizer_layout.py",
         ("--layout", "pp=2,tp=2", "--dtype", "float32", "--positive-max-norm"),
@@ -80,6 +83,43 @@ def test_real_code_is_graded_as_it_deserves(name, family, grade, bug, benign):
     assert set(out["fingerprint_benign"]) <= set(benign)
     if grade == "near miss":  # a correct norm: off by float32 rounding, and the epsilon on tiny norms
         assert "by up to" in out["near_miss"]
+
+
+# the FSDP-style files on every family of cases: what each supports passes (or is off by the
+# epsilon only), what it does not raises or dies, and the judge goes on with the other families
+FSDP_STYLE = [
+    ("torch_fsdp1.py", "raised on every case"),  # vector_norm(dtype=float32) refuses float64
+    ("fairscale_fsdp.py", "raised on every case"),
+    ("torchtitan_current.py", None),  # float64 alike on every rank is fine (a near miss)
+]
+
+
+@pytest.mark.parametrize("name,float64", FSDP_STYLE, ids=[t[0] for t in FSDP_STYLE])
+def test_fsdp_style_code_is_judged_over_every_family_it_supports(name, float64):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{CORPUS / name}:clip", "--ranks", "2", "--torch"]
+    cmd += ["--json", "--random", "12", "--timeout", "5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    rows = {line.split("  ")[0]: line for line in out["families"]}
+    assert out["stopped"] is None and out["checks"] > 40  # not stopped after 3 cases
+    # a float64 array beside an empty rank's float32 zero: gloo aborts, so the family is left
+    assert rows["float64, a rank with nothing"].endswith("not run (the other families went on)")
+    assert out["not_run"]["float64, a rank with nothing"] > 10
+    assert rows["float32"].endswith(" 1 of 1 pass") and rows["no arrays, a rank with nothing"].endswith(
+        " 5 of 5 pass"
+    )
+    failures = {f["check"]: f["reason"] for f in out["failures"]}
+    float64_only = [
+        f["check"]
+        for f in out["failures"]
+        if all(set(r["dtypes"]) <= {"float64"} and r["dtypes"] for r in f["ranks"])
+    ]
+    if float64 is not None:
+        assert rows["float64"].endswith(float64)
+    else:  # what fails of float64 is the epsilon on tiny norms: values, never a raise or a hang
+        assert float64_only and all(failures[c].startswith("wrong values") for c in float64_only)
 
 
 def test_every_file_cites_repository_path_and_commit_and_a_buggy_one_its_pr():

@@ -75,11 +75,12 @@ def choose(cases: Sequence[RankCase], family: Family) -> list[RankCase]:
 
 
 def family_of(ranks: Sequence[Sequence[np.ndarray]]) -> str:
-    """A case's family: its dtypes, and whether a rank holds nothing ('float32 and float64, a
-    rank with nothing')."""
-    dtypes = sorted({a.dtype.name for arrays in ranks for a in arrays if a.size})
+    """A case's family: the dtypes of its arrays (empty ones too: code that stacks per-array norms
+    promotes to them), and whether a rank holds no values ('float32 and float64, a rank with
+    nothing')."""
+    dtypes = sorted({a.dtype.name for arrays in ranks for a in arrays})
     empty = any(sum(a.size for a in arrays) == 0 for arrays in ranks)
-    return (" and ".join(dtypes) or "no values") + (", a rank with nothing" if empty else "")
+    return (" and ".join(dtypes) or "no arrays") + (", a rank with nothing" if empty else "")
 
 
 def family_lines(verdict: Any) -> list[str]:
