@@ -75,7 +75,9 @@ def judge(name: str, *family: str, passes: bool = False) -> dict:
 @pytest.mark.parametrize("name,family,grade,bug,benign", TABLE, ids=[f"{t[0]}{''.join(t[1])}" for t in TABLE])
 def test_real_code_is_graded_as_it_deserves(name, family, grade, bug, benign):
     out = judge(name, *family, passes=grade == "pass")
-    assert out["stopped"] is None and out["grade"] == grade and out["fingerprint"] == bug, (
+    # only a hang stops the judge (a family that crashes is left, the others go on)
+    assert (out["stopped"] is None) == (bug != "skip-collective")
+    assert out["grade"] == grade and out["fingerprint"] == bug, (
         out["grade"],
         out["fingerprint"],
         out["near_miss"],
