@@ -42,8 +42,10 @@ def test_the_attributes_say_what_megatron_and_deepspeed_layers_set():
             assert a["partition_stride"] == 1
             expert = ".experts." in name
             assert a["allreduce"] is not expert and (a.get("group_name") == "ep_size_2") is expert, name
+            last_copy = name == "embed" and mesh.coords["pp"] == 1
+            assert a["ds_pipe_replicated"] is last_copy, name
             if name == "embed":
-                assert a["shared_embedding"] is True and a["shared"] is (mesh.coords["pp"] == 1)
+                assert a["shared_embedding"] is True and a["shared"] is last_copy
             else:
                 assert "shared" not in a
     assert seen == set(transformer.model_shapes(ep=True))  # every tensor of the model, by name

@@ -20,6 +20,9 @@ deepspeedai/DeepSpeed deepspeed/moe/experts.py):
 ``shared``                True on the copy of the tied embedding held by the last pipeline
                           stage (pp > 1), as Megatron-LM marks it (``param_is_not_shared``);
 ``shared_embedding``      True on both stages' copies of the tied embedding (pp > 1);
+``ds_pipe_replicated``    True on that last stage's copy, False on every other array, as
+                          DeepSpeed's PipelineModule marks tied copies (deepspeed/runtime/pipe/
+                          module.py; read by deepspeed/runtime/utils.py's norms);
 ``allreduce``             False on an expert's arrays, True on the others (Megatron-LM's and
                           DeepSpeed's ``is_moe_param``: ``not param.allreduce``);
 ``group_name``            an expert's expert-parallel group, ``ep_size_<ep>`` (DeepSpeed).
@@ -51,6 +54,7 @@ ATTRIBUTES = (
     "partition_stride",
     "shared",
     "shared_embedding",
+    "ds_pipe_replicated",
     "allreduce",
     "group_name",
 )
@@ -75,9 +79,11 @@ def attributes(piece: Any, shape: dict[str, int], coords: dict[str, int]) -> dic
         "partition_stride": 1,
     }
     pp = shape.get("pp", 1)
+    copy = piece.name == "embed" and pp > 1 and coords.get("pp", 0) == pp - 1  # the last stage's
     if piece.name == "embed" and pp > 1:
         out["shared_embedding"] = True
-        out["shared"] = coords.get("pp", 0) == pp - 1  # the last stage's copy (not the first's)
+        out["shared"] = copy
+    out["ds_pipe_replicated"] = copy  # DeepSpeed: a tied copy not on the first of its ranks
     expert = piece.kind == "expert"
     out["allreduce"] = not expert
     if expert:
