@@ -106,7 +106,8 @@ def family_lines(verdict: Any) -> list[str]:
     lines = ["  by family of cases:"]
     for name, (run, passed, raised, lost) in sorted(counts.items()):
         if run and raised + lost == run and name in not_run:
-            parts = [f"crashed on each of the {run} cases run (a rank raised or died)"]
+            each = f"each of the {run} cases" if run > 1 else "the one case"
+            parts = [f"crashed on {each} run (a rank raised or died)"]
         elif run and raised == run:
             parts = ["raised on every case"]
         else:
