@@ -55,6 +55,28 @@ TABLE = [
         None,
         [],
     ),
+    (
+        "megatron_chained_before_abf10f85.py",
+        ("--dtype", "float32", "--positive-max-norm"),
+        "fail",
+        "dense-expert-apart",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
+    (
+        "deepspeed_fp16_before_5411.py",
+        ("--dtype", "float16", "--nonempty-ranks", "--positive-max-norm"),
+        "fail",
+        "rank0-norm",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
+    ("deepspeed_zero12.py", ("--dtype", "float32", "--positive-max-norm"), "near miss", "epsilon", []),
+    (
+        "deepspeed_zero12_before_7171.py",
+        ("--positive-max-norm",),
+        "fail",
+        "nan-mask",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
 ]
 
 
@@ -131,8 +153,9 @@ def test_every_file_cites_repository_path_and_commit_and_a_buggy_one_its_pr():
         doc = path.read_text().split('"""')[1]
         assert re.search(r"Source: [\w-]+/[\w-]+, [\w/.-]+\.(py|patch)\b", doc), path.name
         assert re.search(r"\b[0-9a-f]{40}\b", doc), path.name
-        if "_before_" in path.name:
-            assert re.search(rf"#{path.stem.rsplit('_', 1)[1]}\b", doc), path.name
+        if "_before_" in path.name:  # the PR that fixed it (#N), or the fixing commit (its hash)
+            fix = path.stem.rsplit("_", 1)[1]
+            assert re.search(rf"#{fix}\b|\b{fix}[0-9a-f]{{32}}\b", doc), path.name
     assert sum("_before_" in p.name for p in files) >= 4
 
 
