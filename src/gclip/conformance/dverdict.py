@@ -69,6 +69,7 @@ class DistVerdict(NamedTuple):
     near: str | None
     hints: dict[int, list[str]]
     benign: tuple[str, ...] = ()  # beside the fingerprint: float32 rounding, torch's epsilon
+    not_run: tuple[tuple[str, int], ...] = ()  # per family whose cases crashed: how many were left
 
     @property
     def passed(self) -> bool:
@@ -464,6 +465,7 @@ def judge_runs(
     gallery: dict[str, list[Any]],
     stopped: str | None,
     note: str | None = None,
+    not_run: dict[str, int] | None = None,
 ) -> DistVerdict:
     """The verdict on the cases that ran (``runs`` may be shorter than ``cases``)."""
     cases = list(cases[: len(runs)])
@@ -497,6 +499,7 @@ def judge_runs(
         near,
         hints,
         benign,
+        tuple(sorted((not_run or {}).items())),
     )
 
 
