@@ -4,9 +4,9 @@ In one job (the demo's own functions, called as its command calls them):
 - the JSON's global_norm is the same for the five 3-D layouts of the issue, and
   bit-identical with --reproducible, and equals the model's norm from its
   definition (an independent fsum over every tensor, whole, once);
-- every bug of the gallery (the 10 combine bugs and the 8 layout bugs) is
-  visibly wrong on a 3-D layout: its norm or scale differs from the correct
-  one on some rank, copies drift apart, or ranks are left waiting;
+- every bug of the gallery (the combine bugs and the layout bugs) is
+  visibly wrong on a 3-D layout (but nan-mask, which needs a norm that overflows): its norm
+  or scale differs from the correct one on some rank, copies drift apart, or ranks are left waiting;
 - the hang bug ends: the ranks that waited say which ranks skipped;
 - every report is the one --ranks 8 gives (simulated ranks in one process), key for key, but
   for "simulated" and the hang's note (simulated ranks cannot wait: they say who would); numbers

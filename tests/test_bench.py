@@ -275,6 +275,26 @@ def test_slowest_rank_medians_takes_max_per_rep_then_median():
     per_rank = [{"a": [1.0, 5.0, 3.0]}, {"a": [2.0, 1.0, 4.0]}]
     got = timing.slowest_rank_medians(per_rank)["a"]
     assert got == {"median_s": 4.0, "min_s": 2.0, "reps": 3}
+    cpu = [{"a": [0.5, 1.0, 3.0]}, {"a": [2.0, 0.5, 0.25]}]  # the busiest rank per rep: 2, 1, 3
+    got = timing.slowest_rank_medians(per_rank, cpu)["a"]
+    assert got == {"median_s": 4.0, "min_s": 2.0, "reps": 3, "cpu_median_s": 2.0}
+
+
+def test_cpu_ratio_of_reproducible_over_default_by_hand():
+    got = {"times": _times(**{"floor": 1e-4, "bare": 1.5e-4, "gclip": 2e-4, "gclip-repro": 3e-4})}
+    got["misses"] = 0
+    got["times"]["gclip"]["cpu_median_s"] = 1e-4
+    got["times"]["gclip-repro"]["cpu_median_s"] = 1.25e-4
+    rows = {r["impl"]: r for r in run.case_rows(10**7, "float32", 4, False, got)}
+    assert rows["gclip-repro"]["vs_default"] == pytest.approx(1.5)
+    assert rows["gclip-repro"]["cpu_vs_default"] == pytest.approx(1.25)
+    verdict = {t["name"]: t for t in targets.targets(list(rows.values()), [], {"default_active": _ONE}, 1e-6)}
+    repro = verdict["float32 1e7 inactive: reproducible / default"]
+    assert repro["value"] == pytest.approx(1.25) and repro["ok"] is True  # CPU time first: 1.25 <= 1.5
+    assert "in wall time 1.50" in repro["note"]
+
+
+_ONE = {"total": 1, "pickle_based": 0}
 
 
 def test_needed_bytes_counts_every_rank_and_torchs_copy():

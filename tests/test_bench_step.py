@@ -26,9 +26,17 @@ def test_step_rows_by_hand():
     assert rows["gclip-folded+step"]["vs_torch"] == pytest.approx(20 / 60)
     assert rows["gclip-folded-amp+step"]["vs_torch"] == pytest.approx(20 / 100)
     assert rows["step"]["ranks"] == 2 and "adds_s" not in rows["step"]
+    assert "torch_fold_s" not in rows["gclip-folded+step"]  # no step+grad_scale row measured
     # CPU: per rep the busier rank, (v, v/2): medians 3v/4, the same ratios
     assert rows["gclip-folded+step"]["cpu_adds_s"] == pytest.approx(0.015)
     assert rows["gclip-folded-amp+step"]["cpu_vs_torch"] == pytest.approx(20 / 100)
+    ms["step+grad_scale"] = 106  # torch's step handed grad_scale alone: its part of the folded clip
+    rank0 = {k: [(v * 1e-3, v * 1e-3), (1.0, 0.0)] for k, v in ms.items()}
+    rank1 = {k: [(0.0, 0.0), (v * 1e-3, 0.5 * v * 1e-3)] for k, v in ms.items()}
+    folded = {r["impl"]: r for r in step._rows(wl, [rank0, rank1])}["gclip-folded+step"]
+    assert folded["torch_fold_s"] == pytest.approx(0.003)
+    assert folded["cpu_torch_fold_s"] == pytest.approx(0.0045)
+    assert folded["vs_torch"] == pytest.approx(20 / 60)  # unchanged by the extra row
     text = table.format_steps(list(rows.values()))
     assert "0.33" in text and "0.20" in text and "gpt2-small-step-bf16" in text
     assert options.parse_lists("gpt2-small-step,gpt2-small-step-bf16") == [
@@ -64,6 +72,7 @@ def _ops_agree(dist) -> None:
         "step",
         "torch-clip+step",
         "gclip-folded+step",
+        "step+grad_scale",
         "amp-step",
         "torch-amp-clip+step",
         "gclip-folded-amp+step",
@@ -83,7 +92,8 @@ def _ops_agree(dist) -> None:
     want = torch.cat([g.flatten() for g in saved])
     for name in ("step", "amp-step"):
         assert torch.allclose(after[name], want, rtol=1e-5, atol=0), name
-    for name in ("torch-clip+step", "gclip-folded+step", "torch-amp-clip+step", "gclip-folded-amp+step"):
+    clipped = ("torch-clip+step", "gclip-folded+step", "torch-amp-clip+step", "gclip-folded-amp+step")
+    for name in (*clipped, "step+grad_scale"):  # the last: grad_scale 2 alone
         assert torch.allclose(after[name], 0.5 * want, rtol=1e-4, atol=0), name  # torch: + 1e-6 on the norm
 
 
@@ -133,6 +143,10 @@ def test_step_targets_read_the_step_rows():
     rows[1] |= {"cpu_vs_torch": -0.2, "cpu_adds_s": -0.002}  # CPU time first; below 0 is a pass taken over
     got = {t["name"]: t for t in targets.targets([], [], counts, 1e-6, (), rows)}
     assert got["gpt2-small-step: what gclip-folded-amp+step adds / what torch's adds"]["ok"] is True
+    rows[0] |= {"torch_fold_s": 0.012}
+    got = {t["name"]: t for t in targets.targets([], [], counts, 1e-6, (), rows)}
+    note = got["gpt2-small-step: what gclip-folded+step adds / what torch's adds"]["note"]
+    assert "torch's grad_scale pass 12 ms" in note
     rows[0] |= {"vs_torch": float("nan")}  # torch's clip added nothing: no verdict
     got = {t["name"]: t for t in targets.targets([], [], counts, 1e-6, (), rows)}
     assert got["gpt2-small-step: what gclip-folded+step adds / what torch's adds"]["ok"] is False

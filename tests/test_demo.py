@@ -246,7 +246,7 @@ def test_every_gallery_bug_differs_from_the_correct_run_on_default_data():
         out = got[name]
         assert out["mode"] == name and "correct" in out and "cosine" in out
         assert out["clipped"] != out["correct"]["clipped"], name
-        assert out["max_abs_error"] > 0, name
+        assert out["max_abs_error"] == "nan" if name == "nan-mask" else out["max_abs_error"] > 0, name
         assert out["correct"]["clipped_norm"] == pytest.approx(1.0, rel=1e-9), name
     # the correct run inside a bug run is the plain correct run (inf-pow uses the inf-norm)
     assert got["per-rank"]["correct"]["clipped"] == got["global"]["clipped"]
@@ -255,6 +255,7 @@ def test_every_gallery_bug_differs_from_the_correct_run_on_default_data():
     assert got["per-rank"]["cosine"] < 0.99  # the direction changed
     assert len({r["scale"] for r in got["per-rank"]["per_rank"]}) == 4
     assert got["fp16-sumsq"]["clipped_norm"] == 0.0  # wiped out
+    assert set(got["nan-mask"]["scales"]) == {"nan"} and got["nan-mask"]["norms_used"][0] == "inf"
     assert got["double-count"]["norms_used"][0] > got["double-count"]["correct"]["global_norm"]
     assert got["double-count"]["true_global_norm"] == got["double-count"]["correct"]["global_norm"]
     assert "global_norm" not in got["per-rank"]  # a bug's run has no global norm of its own

@@ -51,7 +51,11 @@ def test_every_bug_of_the_gallery_shows_on_a_3d_layout(findings):
     assert len(names) >= 16
     assert sorted(findings["bugs"]) == sorted([*names, "layout mystery"])
     silent = [name for name, how in findings["bugs"].items() if not how]
-    assert not silent, f"these bugs do not show: {silent}"
+    # but the bugs that show only on an overflow (the lab's model does not overflow): --buggy shows
+    # them on data of their own (test_demo)
+    overflow_only = [b.name for b in gallery.BUGS if b.data_scale != 1.0]
+    assert overflow_only == ["nan-mask"]
+    assert silent == overflow_only, f"these bugs do not show: {silent}"
     hang = findings["bugs"]["skip-collective"]
     assert hang.startswith("hang: ranks 4-7 returned without entering the all-reduce; ranks 0-3 waited")
     assert "copies drifted" in findings["bugs"]["ep-groups-apart"]

@@ -81,6 +81,10 @@ CLAIMS = {
     "grows by sqrt(1 + (tp - 1) d)": lambda r, b: _grows_like(
         r, math.sqrt(1 + (_axis(r, "tp") - 1) * _share(r, "tp-duplicate"))
     ),
+    "the direction changes": lambda r, b: b["cosine"] < 1 - 1e-9,
+    "up to sqrt(2) x the limit": lambda r, b: (
+        r["limit"] * (1 + 1e-9) < b["clipped_norm"] <= math.sqrt(2) * r["limit"] * (1 + 1e-12)
+    ),
     "leaves every other rank waiting": lambda r, b: "returned without entering the all-reduce" in b["note"],
 }
 

@@ -16,6 +16,7 @@ transformer laid out over simulated meshes.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,6 +181,25 @@ def test_fp16_sumsq(data):
         assert res[0].total_norm == pytest.approx(data.norm, rel=1e-2)  # only float16 rounding
 
 
+def test_nan_mask(data):
+    says("nan-mask", "0 x inf is NaN", "every gradient is NaN", "overflows above 1.8e19")
+    res, clipped = data.run("nan-mask")  # the demo's data as it is: no overflow, the correct clip
+    assert res[0].total_norm == pytest.approx(data.norm, rel=1e-12)
+    assert norm(clipped) == pytest.approx(LIMIT, rel=1e-9)
+    factor = STRATEGIES["nan-mask"].data_scale  # the data --buggy nan-mask runs on
+    big = [[s * factor] + ([data.bias.copy()] if data.bias is not None else []) for s in data.shards]
+    flags = [False, True] if data.bias is not None else [False]
+    want = math.sqrt(
+        (data.norm**2 - data.bias_sq) * factor**2 + data.bias_sq
+    )  # the shards scaled, not the bias
+    assert want**2 > float(np.finfo(np.float32).max)  # its float32 total overflows
+    got = gclip.gallery.clip_simulated(big, LIMIT, mode="nan-mask", replicated=flags)
+    assert all(math.isinf(r.total_norm) and math.isnan(r.scale) for r in got)
+    assert all(np.all(np.isnan(g)) for r in got for g in r.grads)
+    right = gclip.clip_simulated(big, LIMIT, replicated=flags)  # gclip: exact, and clipped to the limit
+    assert right[0].total_norm == pytest.approx(want, rel=1e-9)
+
+
 def test_every_combine_bug_has_a_check():
     checked = {name.removeprefix("test_").replace("_", "-") for name in globals() if name.startswith("test_")}
     assert {b.name for b in gclip.gallery.BUGS} <= checked
@@ -289,3 +309,53 @@ def test_experts_left_out(axes):
     used, true, squares = _layout_norms(axes, "experts-left-out")
     experts = math.fsum(v for n, v in squares.items() if ".experts." in n)
     assert used == pytest.approx(math.sqrt(true**2 - experts), rel=1e-12)
+
+
+def _expert_squares(axes: dict, kept_tp0: bool) -> float:
+    """The experts' sum of squares over the correct layout's pieces: every shard once (the rank of
+    dp 0 holding it), or only the shards on tp-rank 0."""
+    size, total = _size(axes), []
+    for r in range(size):
+        mesh = Mesh((r, size), **axes)
+        if mesh.coords.get("dp", 0) or (kept_tp0 and mesh.coords.get("tp", 0)):
+            continue
+        for piece in transformer.clip_arguments(mesh, np.float64)[3]:
+            if ".experts." in piece.name:
+                total.append(math.fsum(float(v) ** 2 for v in piece.array.ravel()))
+    return math.fsum(total)
+
+
+@pytest.mark.parametrize("axes", [a for a in _layouts("ep") if a.get("tp", 1) > 1], ids=str)
+def test_expert_tp_shards_dropped(axes):
+    _explains("expert-tp-shards-dropped", "only tp-rank 0's shard of each expert counts", "too small")
+    used, true, squares = _layout_norms(axes, "expert-tp-shards-dropped")
+    experts = math.fsum(v for n, v in squares.items() if ".experts." in n)
+    assert _expert_squares(axes, False) == pytest.approx(experts, rel=1e-12)  # the pieces are the model
+    kept = _expert_squares(axes, True)
+    assert 0 < kept < experts
+    assert used == pytest.approx(math.sqrt(true**2 - experts + kept), rel=1e-12)
+
+
+@pytest.mark.parametrize("axes", _layouts("ep"), ids=str)
+def test_dense_expert_apart(axes):
+    _explains("dense-expert-apart", "each end at the limit", "up to sqrt(2) x the limit")
+    from gclip._lab import layout_run
+
+    whole = transformer.model_shapes(True)
+    squares = {
+        n: math.fsum(float(v) ** 2 for v in transformer.full_tensor(n, s).ravel()) for n, s in whole.items()
+    }
+    experts = math.fsum(v for n, v in squares.items() if ".experts." in n)
+    dense = math.fsum(v for n, v in squares.items() if ".experts." not in n)
+    runs = layout_run.clip_model_simulated(axes, LIMIT, bug="dense-expert-apart")
+    for run in runs:
+        (dn, ds), (en, es) = run.split
+        assert dn == pytest.approx(math.sqrt(dense), rel=1e-12)
+        assert en == pytest.approx(math.sqrt(experts), rel=1e-12)
+        assert ds == pytest.approx(LIMIT / math.sqrt(dense), rel=1e-12) and es != pytest.approx(ds)
+
+
+def test_the_expert_tp_factor_docs_give_is_the_runs():
+    used, true, _ = _layout_norms(dict(dp=2, ep=2, tp=2), "expert-tp-shards-dropped")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "layouts.md").read_text()
+    assert f"{used / true:.3f}x the norm on the lab's model at `dp=2,ep=2,tp=2`" in text

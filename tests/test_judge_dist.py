@@ -327,9 +327,21 @@ def test_a_skipped_collective_on_comm_world_is_named_too(tmp_path, name):
     ],
 )
 def test_exceptions_deaths_and_deadlocks_name_the_ranks(tmp_path, name, reason):
-    code, out = judge(tmp_path, name, "--random", "0", *HANG)
-    assert code == 1 and out["stopped"] is not None
-    assert len(out["failures"]) == 3 and all(f["reason"].startswith(reason) for f in out["failures"])
+    code, out = judge(tmp_path, name, "--random", "0", "--nonempty-ranks", *HANG)
+    assert code == 1 and all(f["reason"].startswith(reason) for f in out["failures"])
+    if name == "deadlock":  # a hang stops the job after 3 cases
+        assert out["stopped"] is not None and len(out["failures"]) == 3 and out["not_run"] == {}
+        return
+    # a rank that raised or died: its family of cases is left after 3, the others go on
+    # (--random 0 --nonempty-ranks on 3 ranks: 10 float64 cases, 2 with float32 and float64, 1 float32)
+    assert out["stopped"] is None and out["not_run"] == {"float64": 7}
+    assert out["checks"] == len(out["failures"]) == 3 + 2 + 1
+    (line,) = [line for line in out["families"] if line.split("  ")[0] == "float64"]
+    assert line.endswith(
+        "crashed on each of the 3 cases run (a rank raised or died), "
+        "the other 7 not run (the other families went on)"
+    )
+    assert any(line.startswith("float32 and float64 ") for line in out["families"])
 
 
 def test_after_a_hang_the_judge_goes_on_with_a_fresh_job(tmp_path):
@@ -383,7 +395,7 @@ def test_text_verdict_of_a_deadlock_points_to_the_reasons_not_to_scales(tmp_path
         (["--layout", "pp=2,tp=2", "--ranks", "3"], "is 4 ranks, but --ranks says 3"),
         (["--layout", "pp=2,xx=2"], "unknown axis"),
         (["--layout", "tp=5"], "does not split them evenly"),
-        (["--layout", "pp=2", "--torch"], "cannot be combined"),
+        (["--dtype", "float32"], "need --ranks R or --layout L"),
     ],
 )
 def test_usage_errors_of_the_distributed_judge(tmp_path, args, message):

@@ -251,8 +251,17 @@ def test_a_family_the_function_cannot_take_is_counted_apart():
     assert [line.split() for line in family_lines(verdict)] == [
         ["by", "family", "of", "cases:"],
         ["float32", "1", "of", "1", "pass"],
-        ["float64", "0", "of", "1", "pass,", "1", "raised"],
+        ["float64", "raised", "on", "every", "case"],
         ["float64,", "a", "rank", "with", "nothing", "0", "of", "1", "pass,", "1", "did", "not", "finish"],
     ]
-    verdict.reasons, verdict.failed = {1: "wrong values on ranks 0, 1"}, [1]
+    # a family left after its crashes: its cases run and those not run, the other rows as they were
+    verdict.not_run = (("float64, a rank with nothing", 7),)
+    assert (
+        family_lines(verdict)[-1].split()[5:]
+        == (
+            "crashed on the one case run (a rank raised or died), the other 7 not run "
+            "(the other families went on)"
+        ).split()
+    )
+    verdict.reasons, verdict.failed, verdict.not_run = {1: "wrong values on ranks 0, 1"}, [1], ()
     assert family_lines(verdict) == []  # wrong values only: no family to leave out

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,35 @@ def skip(grads, max_norm, comm, mesh, replicated):
     if not grads:
         return None
     good(grads, max_norm, comm, mesh, replicated)
+
+def by_attributes(grads, max_norm, comm, mesh, replicated):
+    # as Megatron-LM chooses: not shared, and sharded over tp or on tp rank 0 (no replicated=)
+    tp_rank = mesh.coords.get("tp", 0)
+    local = sum(
+        float(np.sum(np.square(g, dtype=np.float64)))
+        for g in grads
+        if not getattr(g, "shared", False) and (g.tensor_model_parallel or tp_rank == 0)
+    )
+    _apply(grads, max_norm, comm.allreduce(local) ** 0.5)
+
+def by_names(grads, max_norm, comm, mesh, replicated):
+    # by the tensors' names: layer norms once per tp group, the tied embedding on the first stage
+    first, tp0 = mesh.coords.get("pp", 0) == 0, mesh.coords.get("tp", 0) == 0
+    def counted(g):
+        if g.name == "embed":
+            return first
+        return tp0 or not g.name.endswith(("ln1", "ln2", "final_ln"))
+    local = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads if counted(g))
+    _apply(grads, max_norm, comm.allreduce(local) ** 0.5)
+
+def ignores_shared(grads, max_norm, comm, mesh, replicated):
+    tp_rank = mesh.coords.get("tp", 0)
+    local = sum(
+        float(np.sum(np.square(g, dtype=np.float64)))
+        for g in grads
+        if g.tensor_model_parallel or tp_rank == 0
+    )
+    _apply(grads, max_norm, comm.allreduce(local) ** 0.5)
 """
 
 
@@ -164,3 +194,113 @@ def test_layout_frozen_stage_skipping_hangs_as_skip_collective(tmp_path):
     assert failure["reason"].startswith(
         "ranks 2, 3 returned without entering the collective; ranks 0, 1 waited in allreduce"
     )
+
+
+@pytest.mark.parametrize("func", ["by_attributes", "by_names"])
+def test_layout_arrays_carry_their_names_and_megatron_attributes(tmp_path, func):
+    # counting by the attributes (or the names) alone, never replicated=, is right on every case
+    code, out = judge(tmp_path, LAYOUT, func, *LAYOUT_ARGS)
+    assert code == 0 and out["checks"] == 6 + 1 + 3
+
+
+def test_layout_attributes_without_the_shared_filter_count_the_tied_embedding_twice(tmp_path):
+    code, out = judge(tmp_path, LAYOUT, "ignores_shared", *LAYOUT_ARGS)
+    assert code == 1 and out["fingerprint"] == "tied-counted-twice"
+
+
+# ---------------------------------------------------------------------------
+# --layout --torch: Megatron-LM's optimizer clip (tests/corpus), and the same with a filter dropped
+
+MEGATRON = Path(__file__).resolve().parent / "corpus" / "megatron_optimizer_layout.py"
+TORCH_LAYOUT_ARGS = ("--layout", "pp=2,tp=2", "--torch", "--random", "3", "--timeout", "30")
+MEGATRON_FAMILY = ("--dtype", "float32", "--positive-max-norm")  # it asserts float32; 0 is "off"
+
+
+def _megatron(tmp_path, replace: tuple[str, str] | None = None) -> str:
+    """Megatron-LM's clip (the corpus file, beside its clip_grads transcription), a line replaced."""
+    source = MEGATRON.read_text()
+    if replace is not None:
+        assert replace[0] in source
+        source = source.replace(*replace)
+    (tmp_path / "megatron_clip_grads.py").write_text((MEGATRON.parent / "megatron_clip_grads.py").read_text())
+    return source
+
+
+@pytest.mark.parametrize(
+    "replace,bug",
+    [
+        (None, None),
+        (("param_is_not_tensor_parallel_duplicate(param, layout)", "True"), "tp-duplicates-summed"),
+        (("is_not_shared = param_is_not_shared(param)", "is_not_shared = True"), "tied-counted-twice"),
+    ],
+    ids=["as-is", "no-tp-duplicate-filter", "no-shared-filter"],
+)
+def test_torch_layout_megatron_clip_is_graded_by_its_filters(tmp_path, replace, bug):
+    code, out = judge(tmp_path, _megatron(tmp_path, replace), "clip", *TORCH_LAYOUT_ARGS, *MEGATRON_FAMILY)
+    assert out["mode"] == "torch-layout" and out["ranks"] == 4 and out["stopped"] is None
+    if bug is None:  # float32 and the epsilon of a norm of hundreds: within float32's tolerance
+        assert code == 0 and out["grade"] == "pass" and out["checks"] == 3 + 3
+        return
+    assert code == 1 and out["grade"] == "fail" and out["fingerprint"] == bug
+
+
+def test_torch_layout_a_family_that_raises_is_reported_and_the_others_judged(tmp_path):
+    # Megatron-LM asserts float32 gradients: every float64 case raises on every rank
+    code, out = judge(tmp_path, _megatron(tmp_path), "clip", *TORCH_LAYOUT_ARGS, "--positive-max-norm")
+    assert code == 1 and out["stopped"] is None
+    rows = {line.split("  ")[0]: line for line in out["families"]}
+    assert rows["float64"].endswith("raised on every case")
+    float32 = [f for f in out["failures"] if "float32" in f["check"]]
+    passed, _, run, _ = rows["float32"].split()[-4:]
+    assert float32 == [] and passed == run and int(run) >= 2
+    assert all(" raised AssertionError" in f["reason"] for f in out["failures"])  # float64, all
+    assert rows["float64, a rank with nothing"].endswith("raised on every case")  # the frozen stage
+
+
+def test_torch_layout_hands_each_parameter_its_attributes_and_the_groups(tmp_path):
+    # the function fails a case (raises) when what it is handed is not what the mesh says
+    source = """
+import torch
+import torch.distributed as dist
+
+def clip(parameters, max_norm, layout):
+    names = [n for n, _ in layout.named_parameters()]
+    assert [p.param_name for p in parameters] == names
+    stage, tp = layout.coords["pp"], layout.coords["tp"]
+    assert layout.get_tensor_model_parallel_rank() == tp
+    assert layout.get_pipeline_model_parallel_rank() == stage
+    assert dist.get_world_size(layout.get_model_parallel_group()) == 4
+    assert dist.get_world_size(layout.get_data_parallel_group()) == 1
+    ranks = dist.get_process_group_ranks
+    assert ranks(layout.get_tensor_model_parallel_group()) == [2 * stage, 2 * stage + 1]
+    assert ranks(layout.get_pipeline_model_parallel_group()) == [tp, tp + 2]
+    for n, p in layout.named_parameters():
+        duplicate = n.endswith(("ln1", "ln2", "final_ln"))
+        assert p.tensor_model_parallel is not duplicate, n
+        assert p.partition_dim == (-1 if duplicate else 1 if n.endswith(("proj", "fc2")) else 0), n
+        assert getattr(p, "shared", False) is (n == "embed" and stage == 1), n
+        assert p.allreduce is True, n
+    if parameters:
+        assert ("embed" in names) and (("final_ln" in names) is (stage == 1))
+    total = torch.zeros(1, dtype=torch.float64)
+    for p in parameters:
+        if (p.tensor_model_parallel or tp == 0) and not getattr(p, "shared", False):
+            total += p.grad.double().pow(2).sum()
+    dist.all_reduce(total)
+    norm = total.sqrt().item()
+    for p in parameters:
+        p.grad.mul_(min(1.0, max_norm / norm) if norm > 0 else 1.0)
+"""
+    code, out = judge(tmp_path, source, "clip", *TORCH_LAYOUT_ARGS)
+    assert code == 0 and out["checks"] == 6 + 1 + 3, [f["reason"] for f in out["failures"]][:2]
+
+
+def test_torch_layout_with_a_numpy_layout_function_is_a_usage_error(tmp_path):
+    path = tmp_path / "impl.py"
+    path.write_text(textwrap.dedent(LAYOUT))
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:good", "--layout", "pp=2", "--torch"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert "good takes 5 positional arguments, not the 3 of (parameters, max_norm, layout)" in line
+    assert line.endswith(f"run python -m gclip.conformance {path}:good --layout dp=2")

@@ -54,6 +54,54 @@ def test_reproducible_digits_hold_the_exact_sum_on_both_paths(kernels, numpy_onl
         assert abs(got - exact) <= bound * exact, f"{path}: {float(abs(got - exact) / exact):.3g} relative"
 
 
+def kept_bins(binned: partials.BinnedPowerSum, combined: np.ndarray) -> list[int]:
+    """The digit counts of the K bins the result keeps (from the top non-zero bin)."""
+    digits = combined[2:].reshape(binned.nbins, binned._DIGITS)
+    counts = [sum(int(d) << (binned._DIGIT_BITS * j) for j, d in enumerate(row)) for row in digits]
+    top = max((i for i, c in enumerate(counts) if c), default=binned.K - 1)
+    return counts[top - binned.K + 1 : top + 1]
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30, 1e-150, 1e150, 1e300, 1e-300, 1e-310])
+def test_compiled_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p, dtype, magnitude):
+    """The kernels fold blocks of KERNEL_BLOCK_BYTES, numpy blocks of BLOCK values: the counts of the bins
+    the result keeps are the same integers, so the result has the same bits (large and tiny
+    magnitudes take the kernels' rescaled folds)."""
+    block = _kernels.kernel_block(np.dtype(dtype).itemsize)
+    assert block % partials.BLOCK == 0 and block > partials.BLOCK
+    if dtype is np.float32 and not 1e-30 <= magnitude <= 1e30:
+        magnitude = 1.0
+    rng = np.random.default_rng(int(p * 1000 + math.log10(magnitude) + 500))
+    x = (rng.normal(size=_kernels.MIN_SIZE + 5 * block + 77) * magnitude).astype(dtype)
+    x[::5] *= 1e-7
+    x[3 * block : 3 * block + 700] *= 1e-12  # a block far below the top
+    binned = partials.BinnedPowerSum(p)
+    compiled, plain = binned.local([x]), numpy_only(lambda: binned.local([x]))
+    assert kept_bins(binned, compiled) == kept_bins(binned, plain)
+    assert binned.summary(compiled) == binned.summary(plain)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_rescaled_folds_add_digit_sums_beyond_2_to_the_53_exactly(kernels, p):
+    """A block of values at the top of a bin beyond the unscaled folds' range (the rescaled folds):
+    each top digit near 2**43, their sum past 2**53, against the exact sum."""
+    binned = partials.BinnedPowerSum(p)
+    rng = np.random.default_rng(40 + p)
+    m = 2.0 - rng.random(_kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
+    if p == 2:  # squares m * 2**1054 just below 2**1055, the top of bin 23 (its unit 2**1012)
+        x = np.ldexp(np.sqrt(m), 527)
+    else:  # values m * 2**-882 just below 2**-881, the top of bin -21 (its unit 2**-924)
+        x = np.ldexp(m, -882)
+    exact = exact_sum(x, p)
+    counts = np.zeros((binned.nbins, 2), np.int64)
+    assert kernels.digits_view(x, p, counts, binned.W, binned._BIN_LO) == 0.0  # the kernel itself
+    got = binned.exact(binned._pack(counts, x.size, 0.0))
+    bound = Fraction(x.size) * Fraction(2) ** (-binned.W * (binned.K - 1))
+    assert abs(got - exact) <= bound * exact, float(abs(got - exact) / exact)
+
+
 @pytest.mark.parametrize("p", [1, 2])
 def test_reproducible_digits_given_chunk_by_chunk_hold_the_exact_sum(kernels, numpy_only, p):
     """local_stream (chunks cut anywhere, one buffer refilled) against the exact sum, both paths."""
@@ -111,6 +159,46 @@ def test_float32_kernel_counts_every_element_once(kernels, n):
     x = np.ldexp(1.0, np.arange(n) % 20).astype(np.float32)
     exact = fsum_of_squares(x)
     assert float(kernels.sumsq_f32(x)) == exact
+
+
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits of float32 values (their top halves: truncated, which is all a test needs)."""
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def fsum_of_bfloat16_squares(u: np.ndarray) -> float:
+    """The oracle: each bfloat16 widened exactly (its bits on top of a float32), squared exactly in
+    float64, the squares summed by math.fsum."""
+    return fsum_of_squares((u.astype(np.uint32) << 16).view(np.float32))
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 511, 512, 513, 1023, 8193, 9000])
+def test_bfloat16_kernel_counts_every_element_once(kernels, start, n):
+    # two values per 32-bit word: odd starts (a value before the first whole word) and odd ends,
+    # around the runs' and the hints' edges; powers of two whose squares sum exactly
+    bits = bfloat16_bits(np.ldexp(1.0, np.arange(n + 4) % 20 - 10) * np.where(np.arange(n + 4) % 3, 1, -1))
+    u = bits[start : start + n]
+    assert float(kernels.sumsq_bf16(u)) == fsum_of_bfloat16_squares(u)
+
+
+def test_bfloat16_kernel_is_float64_accurate_on_any_view(kernels):
+    rng = np.random.default_rng(21)
+    x = rng.normal(size=300_001) * np.exp(rng.uniform(-60, 60, 300_001))  # squares from 1e-52 to 1e52
+    x[[5, 6, 70_000]] = [1e-39, -3e-41, 0.0]  # a bfloat16 subnormal and a zero among them
+    bits = bfloat16_bits(x)
+    for u in (bits, bits[1:], bits[1:-1], bits[::3], bits[7::2]):
+        exact = fsum_of_bfloat16_squares(u)
+        got = float(kernels.sumsq_bf16(u))
+        assert abs(got - exact) <= 1e-13 * exact, f"{got!r} vs {exact!r}"
+
+
+def test_bfloat16_kernel_passes_inf_and_nan_on(kernels):
+    for special, want in ((np.inf, math.isinf), (np.nan, math.isnan)):
+        for where in (0, 1, 600, 1001):
+            u = bfloat16_bits(np.ones(1002))
+            u[where] = bfloat16_bits(np.array([special]))[0]
+            assert want(float(kernels.sumsq_bf16(u))), (special, where)
 
 
 def test_kernels_can_be_switched_off(numpy_only):

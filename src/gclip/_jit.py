@@ -207,27 +207,57 @@ def sumsq(x):
     return s
 
 
-@fast
-def _sumsq_bf16_run(u):
+# a bfloat16 is a float32's top half: a 32-bit word holds two of them, and two integer
+# operations on the word (a mask, a shift) give both as float32 bits, where widening each
+# 16-bit value on its own takes a shuffle and a shift per value; the square of a widened
+# bfloat16 is exact in float64 (8 bits of mantissa), so a fused multiply-add rounds only the sum
+_BF16_HI = np.uint32(0xFFFF0000)
+_BF16_LO = np.uint32(16)
+fast_fma = numba.njit(fastmath={"reassoc", "contract"}, nogil=True, cache=True)
+
+
+@fast_fma
+def _sumsq_bf16_run(w):
     s = 0.0
-    for i in range(u.size):
-        v = as_float(np.uint32(np.uint32(u[i]) << np.uint32(16)))  # a bfloat16 is a float32's top half
-        s += v * v
+    for i in range(w.size):
+        x = w[i]
+        hi = as_float(np.uint32(x & _BF16_HI))  # the word's upper bfloat16 (little-endian: the later one)
+        lo = as_float(np.uint32(x << _BF16_LO))  # the lower one
+        s += hi * hi
+        s += lo * lo
     return s
+
+
+@jit
+def _square_bf16(b):
+    v = as_float(np.uint32(np.uint32(b) << np.uint32(16)))
+    return v * v
 
 
 @jit
 def sumsq_bf16(u):
     # bfloat16 given as its uint16 bits (numpy has no bfloat16): squared in float64, in one
-    # pass, hinting ahead as sumsq does; no float32 copy of the array is ever made
-    s = 0.0
+    # pass over the 32-bit words that hold two values each (one value apart at an odd start
+    # or end), hinting ahead as sumsq does; no float32 copy of the array is ever made
     n = u.size
-    step = _INNER * 2
-    ahead = _AHEAD * 2
-    for start in range(0, n, step):
-        for i in range(start + ahead, min(start + step + ahead, n), _LINE * 2):
-            prefetch(u, i)
-        s += _sumsq_bf16_run(u[start : start + step])
+    if u.strides[0] != 2:  # a strided view: value by value
+        s = 0.0
+        for i in range(n):
+            s += _square_bf16(u[i])
+        return s
+    if n == 0:
+        return 0.0
+    head = 1 if u.ctypes.data % 4 else 0  # a word-aligned start for the words
+    s = _square_bf16(u[0]) if head else 0.0
+    m = (n - head) // 2
+    if m:
+        w = carray(ptr_u32(u.ctypes.data + 2 * head), m)
+        for start in range(0, m, _INNER):
+            for i in range(start + _AHEAD, min(start + _INNER + _AHEAD, m), _LINE):
+                prefetch(w, i)
+            s += _sumsq_bf16_run(w[start : start + _INNER])
+    if head + 2 * m < n:
+        s += _square_bf16(u[n - 1])
     return s
 
 
@@ -369,23 +399,25 @@ def _folds(y, z, p, m0, m1, m2, one):
 def _folds_scaled(y, p, k, width):
     # the numpy path itself, value by value: for blocks so large or small that
     # the unscaled constants above would leave float64's normal range
+    # (each digit, a whole number below 2**width, is added as an integer: a block's digit sum
+    # may pass 2**53, where a float64 sum would round)
     e = 1.5 * 2.0**52
     unit = 2.0**width
-    f0 = 0.0
-    f1 = 0.0
-    f2 = 0.0
+    f0 = 0
+    f1 = 0
+    f2 = 0
     for i in range(y.size):
         v = math.ldexp(abs(np.float64(y[i])), -k)
         if p == 2:
             v = v * v
         q = (v + e) - e
-        f0 += q
+        f0 += np.int64(q)
         v = (v - q) * unit
         q = (v + e) - e
-        f1 += q
+        f1 += np.int64(q)
         v = (v - q) * unit
-        f2 += (v + e) - e
-    return np.int64(f0), np.int64(f1), np.int64(f2)
+        f2 += np.int64((v + e) - e)
+    return f0, f1, f2
 
 
 @jit
@@ -442,11 +474,11 @@ def digits(x, p, counts, width, bin_lo, block):
 
 
 @jit
-def digits_table(ptr, size, kind, p, counts, width, bin_lo, block):
+def digits_table(ptr, size, kind, p, counts, width, bin_lo, block_bytes):
     special = 0.0
     for j in range(ptr.size):
         if kind[j] == F32:
-            special += digits(carray(ptr32(ptr[j]), size[j]), p, counts, width, bin_lo, block)
+            special += digits(carray(ptr32(ptr[j]), size[j]), p, counts, width, bin_lo, block_bytes // 4)
         elif kind[j] == F64:
-            special += digits(carray(ptr64(ptr[j]), size[j]), p, counts, width, bin_lo, block)
+            special += digits(carray(ptr64(ptr[j]), size[j]), p, counts, width, bin_lo, block_bytes // 8)
     return special

@@ -8,9 +8,10 @@ call. The kernels compute what the numpy code in ``partials`` computes:
 - ``sumsq``: sum of float64(x)**2 (float64 accumulators, reordered freely: the
   order of a float sum is not part of the default mode's contract, its accuracy
   is: ~1e-13 at 1e7 elements);
-- ``digits``: the reproducible mode's digit counts, the very integers of the
-  numpy folds (the same top bin per block of BLOCK values, the same
-  round-half-even extraction; block sums of whole digits stay below 2**53);
+- ``digits``: the reproducible mode's digit counts: in the bins the result
+  keeps, the very integers of the numpy folds (the same round-half-even
+  extraction; a top bin per block of KERNEL_BLOCK_BYTES where numpy's blocks
+  hold BLOCK values, which changes no digit the result keeps);
 - ``scale``: x *= s in place (float32 arrays by the float32 scale given).
 
 A list of arrays goes in one call through a :class:`Table` of (address, size,
@@ -31,11 +32,34 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BLOCK", "MANY", "MIN_SIZE", "Checked", "Kernels", "Table", "get"]
+__all__ = [
+    "BLOCK",
+    "KERNEL_BLOCK_BYTES",
+    "MANY",
+    "MIN_SIZE",
+    "Checked",
+    "Kernels",
+    "Table",
+    "get",
+    "kernel_block",
+]
 
 MIN_SIZE = 1 << 15  # elements: below this numpy's path is as fast and numba's import is not worth it
 MANY = 16  # arrays: from this many on, one compiled call beats a numpy call per array
 BLOCK = 512  # the reproducible mode's block: one top bin, digit sums exact (shared with partials)
+# the compiled folds' block, in bytes: a value's digits in the bins the result keeps do not
+# depend on its block, so any block gives the same result; the kernels add digits as int64 (a
+# block's digit sum stays below 2**55), and a longer block pays its fixed costs (the top bin, the
+# deposits, the accumulators' horizontal sums) over more values while two blocks still fit in L1:
+# 4096 float32 or 2048 float64 values
+KERNEL_BLOCK_BYTES = 16 << 10
+
+
+def kernel_block(itemsize: int) -> int:
+    """Values per block of the compiled folds, for an item size of 4 or 8 bytes."""
+    return KERNEL_BLOCK_BYTES // itemsize
+
+
 # numpy's array flags (ndarraytypes.h)
 _ALIGNED, _WRITEABLE = 0x100, 0x400
 F32, F64 = 1, 2  # Table.kind (as in _jit); 0: not for the kernels (numpy's path takes it)
@@ -118,11 +142,13 @@ class Kernels:
     def digits(self, t: Table, p: int, counts: np.ndarray, width: int, bin_lo: int) -> float:
         """Adds the table's digit counts to ``counts`` (nbins x 2: low, high words); returns
         the inf/NaN seen (0.0 if none)."""
-        return float(self.fns.digits_table(t.ptr, t.size, t.kind, p, counts, width, bin_lo, BLOCK))
+        return float(
+            self.fns.digits_table(t.ptr, t.size, t.kind, p, counts, width, bin_lo, KERNEL_BLOCK_BYTES)
+        )
 
     def digits_view(self, x: np.ndarray, p: int, counts: np.ndarray, width: int, bin_lo: int) -> float:
         """:meth:`digits` of one 1-D float32 or float64 view (any stride)."""
-        return float(self.fns.digits(x, p, counts, width, bin_lo, BLOCK))
+        return float(self.fns.digits(x, p, counts, width, bin_lo, kernel_block(x.itemsize)))
 
 
 def _interface_table(arrays: Any, writable: bool) -> Table:

@@ -51,6 +51,8 @@ class RankClip(NamedTuple):
     held: int  # elements this rank holds
     pieces: list[transformer.Piece]  # its arrays, as they are after the clip
     note: str  # what happened, in words (the hang bug: who waited, who skipped)
+    split: tuple[tuple[float, float], tuple[float, float]] | None = None  # ((norm, scale) of the
+    # dense tensors, of the experts) where a bug clipped them apart; norm and scale are the dense ones
 
 
 def bug_names() -> list[str]:
@@ -101,9 +103,29 @@ def clip_model(
         scale = gallery.GLOBAL.scale(norm, max_norm)
         counted = sum(arrays[i].size for i in set(kept))
         return RankClip(mesh.rank, mesh.coords, norm, scale, counted, held, pieces, "")
-    result = gallery.clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
     counted = sum(p.array.size for p in pieces if p.replicated is False or counts_here(p.replicated))
+    if layout_bug is not None and layout_bug.split in mesh.shape:
+        done = []
+        for part in _split(layout_bug, len(arrays), pieces):
+            mine = [arrays[i] for i in part]
+            norm = global_norm(mine, comm=comm, replicated=[entries[i] for i in part], **_no_rep(kwargs))
+            clip_with_norm(mine, max_norm, norm, inplace=True)
+            done.append((norm, gallery.GLOBAL.scale(norm, max_norm)))
+        (dense, experts) = done
+        return RankClip(mesh.rank, mesh.coords, *dense, counted, held, pieces, "", (dense, experts))
+    result = gallery.clip_by_global_norm(arrays, max_norm, comm=comm, mode=mode, inplace=True, **kwargs)
     return RankClip(mesh.rank, mesh.coords, result.total_norm, result.scale, counted, held, pieces, "")
+
+
+def _no_rep(kwargs: dict) -> dict:
+    return {k: v for k, v in kwargs.items() if k != "replicated"}
+
+
+def _split(bug: gallery.LayoutBug, count: int, pieces: list) -> tuple[list[int], list[int]]:
+    """(the dense arrays, the experts'): the indices of the arrays not sharded along ``bug.split``,
+    and of those that are (two optimizers' parameters, each clipped apart)."""
+    experts = [i for i in range(count) if _sharded_along(bug.split or "", i, pieces)]
+    return [i for i in range(count) if i not in experts], experts
 
 
 def _bug_parts(bug: str | None) -> tuple[gallery.LayoutBug | None, str, Any]:
@@ -152,6 +174,28 @@ def clip_model_simulated(
             "forever (simulated ranks: on real ones the demo's watchdog ends the wait)"
         )
         return [done(r, None, None, 0, note) for r in range(size)]
+    if layout_bug is not None and layout_bug.split in shape:
+        parts = [_split(layout_bug, len(a[0]), a[3]) for a in args]
+        found_split: list[list[tuple[float, float]]] = [[] for _ in args]
+        for k in range(2):  # the dense arrays, then the experts: each set a clip of its own
+            results = clip_simulated(
+                [[a[0][i] for i in p[k]] for a, p in zip(args, parts)],
+                max_norm,
+                replicated=[[a[1][i] for i in p[k]] for a, p in zip(args, parts)],
+                inplace=True,
+                **kwargs,
+            )
+            for r, res in enumerate(results):
+                found_split[r].append((res.total_norm, res.scale))
+        counted = [
+            sum(p.array.size for p in a[3] if p.replicated is False or counts_here(p.replicated))
+            for a in args
+        ]
+        return [
+            RankClip(r, meshes[r].coords, *found_split[r][0], counted[r], held[r], args[r][3], "",
+                     (found_split[r][0], found_split[r][1]))
+            for r in range(size)
+        ]  # fmt: skip
     if layout_bug is not None and layout_bug.omit in shape:
         kept = [[i for i in range(len(a[0])) if not _omitted(layout_bug, i, a[3])] for a in args]
         results = clip_simulated(
@@ -206,10 +250,14 @@ def _within(entries: list, members: list[int], size: int) -> list:
 
 
 def _omitted(bug: gallery.LayoutBug, index: int, pieces: list) -> bool:
+    return _sharded_along(bug.omit or "", index, pieces)
+
+
+def _sharded_along(axis: str, index: int, pieces: list) -> bool:
     piece = (
         pieces[index] if index < len(pieces) else pieces[0]
     )  # past the pieces: the head, i.e. the embedding
-    return bug.omit in piece.placement.sharded
+    return axis in piece.placement.sharded
 
 
 def counts_here(entry: Any) -> bool:

@@ -85,12 +85,14 @@ def bench_case(
     import gclip
 
     norm = Norm(gclip.global_norm(x, comm=comm))
-    times = time_reps(comm, implementations(x, norm, active, torch_ctx, comm), repeat, cold)
+    cpu: dict[str, list] = {}
+    times = time_reps(comm, implementations(x, norm, active, torch_ctx, comm), repeat, cold, cpu)
     misses = comm.allreduce(norm.misses)
     every = comm.gather(times, root=0)
+    every_cpu = comm.gather(cpu, root=0)
     if every is None:
         return None
-    return {"times": slowest_rank_medians(every), "misses": misses}
+    return {"times": slowest_rank_medians(every, every_cpu), "misses": misses}
 
 
 # ---------------------------------------------------------------------------

@@ -53,6 +53,8 @@ def case_rows(n: int, dtype: str, itemsize: int, active: bool, got: dict[str, An
         }
         if impl == "gclip-repro":
             row["vs_default"] = t["median_s"] / default
+            if "cpu_median_s" in t and "cpu_median_s" in times["gclip"]:  # the busiest rank's CPU time
+                row["cpu_vs_default"] = t["cpu_median_s"] / times["gclip"]["cpu_median_s"]
         if impl == "gclip":
             row["vs_bare"] = t["median_s"] / times["bare"]["median_s"]
         if impl.startswith("torch"):

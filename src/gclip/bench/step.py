@@ -8,7 +8,10 @@ over the bench's gloo group, the clip always active (the limit below the norm):
 - ``torch-clip+step``: torch's pieces, as a sharded job uses them: ``get_total_norm``, squared,
   ``dist.all_reduce``, sqrt, ``clip_grads_with_norm_``, then ``optimizer.step()``;
 - ``gclip-folded+step``: ``gclip.torch.clip_step``: the global norm, the scale handed to the
-  fused step as ``grad_scale``.
+  fused step as ``grad_scale``;
+- ``step+grad_scale``: ``optimizer.step()`` handed the same ``grad_scale`` (2: the limit is half
+  the norm) with no norm at all: what the fold costs inside torch's own fused step (on the CPU it
+  divides each gradient and writes it back), the part of ``gclip-folded+step`` that is not gclip's;
 
 and the same with a ``GradScaler`` (the gradients hold the scaled values):
 
@@ -74,6 +77,16 @@ def _ops(
     def step() -> None:
         opt.step()
 
+    halve = torch.full((), 2.0, dtype=torch.float32)
+    no_inf = torch.zeros((), dtype=torch.float32)
+
+    def grad_scale_step() -> None:
+        opt.grad_scale, opt.found_inf = halve, no_inf
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale, opt.found_inf
+
     def torch_clip_step() -> None:
         torch_clip()
         opt.step()
@@ -99,6 +112,7 @@ def _ops(
         ("step", False, step),
         ("torch-clip+step", False, torch_clip_step),
         ("gclip-folded+step", False, folded),
+        ("step+grad_scale", False, grad_scale_step),
         ("amp-step", True, amp_step),
         ("torch-amp-clip+step", True, torch_amp),
         ("gclip-folded-amp+step", True, folded_amp),
@@ -158,7 +172,7 @@ def _rows(workload: ListWorkload, every: list[dict[str, list]]) -> list[dict]:
         name: statistics.median(max(r[name][i][1] for r in every) for i in range(count)) for name in every[0]
     }
     med = {name: statistics.median(t) for name, t in reps.items()}
-    floors = {"torch-clip+step": "step", "gclip-folded+step": "step"}
+    floors = {"torch-clip+step": "step", "gclip-folded+step": "step", "step+grad_scale": "step"}
     floors |= {"torch-amp-clip+step": "amp-step", "gclip-folded-amp+step": "amp-step"}
     peer = {"gclip-folded+step": "torch-clip+step", "gclip-folded-amp+step": "torch-amp-clip+step"}
     rows = []
@@ -174,5 +188,8 @@ def _rows(workload: ListWorkload, every: list[dict[str, list]]) -> list[dict]:
             row["vs_torch"] = row["adds_s"] / torch_adds if torch_adds > 0 else float("nan")
             torch_cpu = cpu[peer[name]] - cpu[floors[peer[name]]]
             row["cpu_vs_torch"] = row["cpu_adds_s"] / torch_cpu if torch_cpu > 0 else float("nan")
+        if name == "gclip-folded+step" and "step+grad_scale" in reps:  # of what it adds, torch's part
+            row["torch_fold_s"] = med["step+grad_scale"] - med["step"]
+            row["cpu_torch_fold_s"] = cpu["step+grad_scale"] - cpu["step"]
         rows.append(row)
     return rows

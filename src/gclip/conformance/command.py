@@ -89,21 +89,22 @@ def _parser() -> ArgParser:
     p.add_argument(
         "--dtype",
         choices=DTYPES,
-        help="with --ranks: every array in this dtype (the family real code asserts, e.g. float32)",
+        help="with --ranks or --layout: every array in this dtype (real code may assert one, e.g. float32)",
     )
     p.add_argument(
         "--nonempty-ranks",
         action="store_true",
-        help="with --ranks: only cases where every rank holds values",
+        help="with --ranks or --layout: only cases where every rank holds values",
     )
     p.add_argument(
         "--positive-max-norm",
         action="store_true",
-        help="with --ranks: only cases with max_norm > 0 (code that reads 0 as 'clipping off')",
+        help="with --ranks or --layout: only cases with max_norm > 0 (code that reads 0 as 'clipping off')",
     )
     p.add_argument(
         "--layout",
-        help="e.g. pp=2,dp=2,tp=2: FUNC(grads, max_norm, comm, mesh, replicated) on the lab's model",
+        help="e.g. pp=2,dp=2,tp=2: FUNC(grads, max_norm, comm, mesh, replicated) on the lab's model "
+        "(with --torch: FUNC(parameters, max_norm, layout), torch groups on the layout)",
     )
     return p
 
@@ -174,8 +175,6 @@ def _distributed(args: Any) -> tuple[bool, str]:
 
     layout = None
     if args.layout is not None:
-        if args.torch:
-            raise UsageError("--layout and --torch cannot be combined (the layout's mesh is mpi4py's)")
         layout = parse_layout(args.layout)
         size = math.prod(layout.values())
         if args.ranks is not None and args.ranks != size:
@@ -192,8 +191,6 @@ def _distributed(args: Any) -> tuple[bool, str]:
         except ImportError:
             raise UsageError("--torch needs PyTorch (pip install torch)") from None
     family = Family(args.dtype, args.nonempty_ranks, args.positive_max_norm)
-    if family and layout is not None:
-        raise UsageError("--dtype, --nonempty-ranks and --positive-max-norm go with --ranks, not --layout")
     verdict = judge_distributed(
         target,
         size,
@@ -204,7 +201,7 @@ def _distributed(args: Any) -> tuple[bool, str]:
         layout=layout,
         family=family,
     )
-    mode = "layout" if layout else "torch" if args.torch else "numpy"
+    mode = ("torch-layout" if args.torch else "layout") if layout else "torch" if args.torch else "numpy"
     if args.json:
         data = dreport.as_json(
             verdict, mode=mode, layout=layout, count=args.random, seed=args.seed, timeout=args.timeout
@@ -220,7 +217,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args.random = DEFAULT_RANDOM_LAYOUT if args.layout is not None else DEFAULT_RANDOM
     if args.ranks is None and args.layout is None and not args.torch:
         if args.dtype or args.nonempty_ranks or args.positive_max_norm:
-            raise UsageError("--dtype, --nonempty-ranks and --positive-max-norm need --ranks R")
+            raise UsageError("--dtype, --nonempty-ranks and --positive-max-norm need --ranks R or --layout L")
     try:
         if args.ranks is not None or args.torch or args.layout is not None:
             passed, text = _distributed(args)

@@ -42,6 +42,10 @@ class Diagnosis(NamedTuple):
     clipped: bool  # the step was clipped (else most bugs cannot be told apart)
     local_norms: list[float]  # per rank: the norm of what it holds (copies counted)
     lines: list[str]  # the report, for a learner
+    grade: str = "pass"  # "pass", "near miss" (the correct clip with torch's epsilon) or "fail"
+    benign: tuple[str, ...] = ()  # beside the bug: what real code adds (torch's epsilon)
+    split: list[list[tuple[list[int], float]]] | None = None  # per rank, where its arrays got
+    # different scales: (the arrays, their scale) for each scale; None where every rank used one
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -72,7 +76,23 @@ def _check(before: list[np.ndarray], after: list[np.ndarray]) -> str | None:
 def _same(a: float | None, b: float | None, rtol: float) -> bool:
     if a is None or b is None:
         return True
+    if math.isnan(a) or math.isnan(b):  # a NaN scale (every value NaN) is one scale
+        return math.isnan(a) and math.isnan(b)
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300)
+
+
+EPSILON = "epsilon 1e-6"  # as the command's verdict names it
+FLOAT32 = "float32 rounding"
+FLOAT32_OVERFLOW = "float32 overflows"  # a norm above 1.8e19 read as inf by a float32 sum of squares
+SPLIT = "dense-expert-apart"
+
+
+def _applied(b: list[np.ndarray], a: list[np.ndarray], rtol: float) -> implied.Applied:
+    """The factor this rank's values got; NaN where every value came back NaN (a NaN scale)."""
+    if any(x.size for x in a) and all(np.all(np.isnan(y)) for y in a if y.size):
+        if not any(np.any(np.isnan(x)) for x in b):
+            return implied.Applied(math.nan, True, 0.0, 0.0)
+    return implied.applied(b, a, rtol)
 
 
 def diagnose(
@@ -101,29 +121,80 @@ def diagnose(
     if bad:
         raise GclipValueError(f"diagnose: rank {bad[0]}: {problems[bad[0]]}")
     rtol = max((RTOL.get(x.dtype.name, 1e-9) for x in b), default=1e-9)
-    mine = implied.applied(b, a, rtol)
+    mine = _applied(b, a, rtol)
     norms = {}
     for s in (gallery.GLOBAL, *gallery.BUGS):
         if s.norm_type is None:  # inf-pow shows only with norm_type=inf: never with a 2-norm clip
             norms[s.name] = gallery.global_norm(b, comm=comm, mode=s.name, replicated=replicated)
     true_norm = norms["global"]
     would = {name: gallery.STRATEGIES[name].scale(n, limit) for name, n in norms.items()}
-    table = comm.allgather((mine.scale, mine.uniform, rtol, would, norms["per-rank"]))
+    # as real code computes it: max_norm / (norm + 1e-6), torch's and Megatron-LM's epsilon
+    eps = {
+        name: gallery.STRATEGIES[name].scale(n + gallery.TORCH_EPS, limit)
+        for name, n in norms.items()
+        if gallery.STRATEGIES[name].epsilon == 0
+    }
+    arrays = [
+        (_applied([x], [y], rtol).scale, float(np.sum(np.square(x, dtype=np.float64)))) for x, y in zip(b, a)
+    ]
+    table = comm.allgather((mine.scale, mine.uniform, rtol, would, norms["per-rank"], eps, arrays))
     scales = [row[0] for row in table]
     uniform = [row[1] for row in table]
     tol = max(row[2] for row in table)
     told = [s for s in scales if s is not None]
     same = all(_same(s, told[0], tol) for s in told) if told else True
     expected = gallery.GLOBAL.scale(true_norm, limit)
-    matches = [
-        name
-        for name in would
-        if all(uniform) and all(_same(row[0], row[3][name], tol) for row in table if row[0] is not None)
-    ]
+
+    def matching(column: int, rtol: float) -> list[str]:
+        return [
+            name
+            for name in table[0][column]
+            if all(uniform)
+            and all(_same(row[0], row[column][name], rtol) for row in table if row[0] is not None)
+        ]
+
     # a bug that gives the correct scale on every rank cannot show in this step: not a match
     shows = {name for name in would if not all(_same(row[3][name], row[3]["global"], tol) for row in table)}
-    matches = [m for m in matches if m == "global" or m in shows]
-    bug: str | None = None if "global" in matches else (matches[0] if matches else "unknown")
+    benign: tuple[str, ...] = ()
+    matches: list[str] = []
+    grade = "fail"
+    # the scales as computed, then as real code computes them: with torch's epsilon, in float32
+    # arithmetic (a relative rounding up to NEAR_FLOAT32), or both
+    loose = max(tol, implied.NEAR_FLOAT32)
+    for column, rtol, extra in (
+        (3, tol, ()),
+        (5, tol, (EPSILON,)),
+        (3, loose, (FLOAT32,)),
+        (5, loose, (FLOAT32, EPSILON)),
+    ):
+        found = [m for m in matching(column, rtol) if m == "global" or m in shows]
+        if column == 3 and "global" in found:
+            matches, grade, benign = found, ("pass" if not extra else "near miss"), extra
+            if extra:  # the correct clip, but for float32 rounding: the command's near miss
+                matches = ["epsilon"]
+            break
+        if "global" in found or "epsilon" in found:  # the correct clip, with torch's epsilon
+            matches, grade, benign = (
+                ["epsilon", *(m for m in found if m not in ("global", "epsilon"))],
+                "near miss",
+                (),
+            )
+            break
+        if found:
+            matches, benign = found, extra
+            break
+    if grade == "fail" and true_norm > implied.FLOAT32_NORM and told and all(t == 0.0 for t in told):
+        # the norm overflows a float32 sum of squares: a float32 clip reads inf and wipes the step (as
+        # the command's verdict counts such a case apart: no bug of the norm's combination)
+        matches, grade, benign = [], "near miss", (FLOAT32_OVERFLOW,)
+    bug: str | None = (
+        None if grade == "pass" or benign == (FLOAT32_OVERFLOW,) else (matches[0] if matches else "unknown")
+    )
+    split = _split([row[6] for row in table], tol)
+    if split is not None and bug == "unknown":
+        apart = _two_norms([row[6] for row in table], split, limit, tol)
+        if apart is not None:
+            bug, matches, benign = SPLIT, [SPLIT], apart
     clipped = expected < 1.0 - implied.SAME or any(s is not None and s < 1.0 - tol for s in told)
     diag = Diagnosis(
         scales,
@@ -137,8 +208,80 @@ def diagnose(
         clipped,
         [row[4] for row in table],
         [],
+        grade,
+        benign,
+        _per_rank(split, [row[6] for row in table]),
     )
     return diag._replace(lines=_lines(diag, limit))
+
+
+def _split(arrays: list[list[tuple[float | None, float]]], tol: float) -> list[float] | None:
+    """The scales the arrays got, when some rank's arrays got different ones (at most two: one for
+    each set of arrays clipped apart); None when every rank's arrays got one scale each."""
+    found: list[float] = []
+    mixed = False
+    for mine in arrays:
+        here: list[float] = []
+        for s, _ in mine:
+            if s is None:
+                continue
+            if not any(_same(s, t, max(tol * 10, 1e-6)) for t in here):
+                here.append(s)
+            if not any(_same(s, t, max(tol * 10, 1e-6)) for t in found):
+                found.append(s)
+        mixed = mixed or len(here) > 1
+    return sorted(found, reverse=True) if mixed else None
+
+
+def _which(s: float | None, scales: list[float], tol: float) -> int | None:
+    if s is None:
+        return None
+    for k, t in enumerate(scales):
+        if _same(s, t, max(tol * 10, 1e-6)):
+            return k
+    return None
+
+
+def _two_norms(
+    arrays: list[list[tuple[float | None, float]]], scales: list[float], limit: float, tol: float
+) -> tuple[str, ...] | None:
+    """The arrays in two sets by the scale they got, each set clipped by its own global norm (as
+    two optimizers that clip apart do): the benign differences that needed, or None if not so."""
+    if len(scales) != 2:
+        return None
+    sums = [0.0, 0.0]
+    for mine in arrays:
+        for s, sq in mine:
+            k = _which(s, scales, tol)
+            if k is not None:
+                sums[k] += sq
+    loose = max(tol, implied.NEAR_FLOAT32)
+    for eps, rtol, benign in (
+        (0.0, tol, ()),
+        (gallery.TORCH_EPS, tol, (EPSILON,)),
+        (0.0, loose, (FLOAT32,)),
+        (gallery.TORCH_EPS, loose, (FLOAT32, EPSILON)),
+    ):
+        want = [gallery.GLOBAL.scale(math.sqrt(x) + eps, limit) for x in sums]
+        if all(_same(w, s, rtol) for w, s in zip(want, scales)):
+            return benign
+    return None
+
+
+def _per_rank(
+    scales: list[float] | None, arrays: list[list[tuple[float | None, float]]]
+) -> list[list[tuple[list[int], float]]] | None:
+    if scales is None:
+        return None
+    out = []
+    for mine in arrays:
+        sets: dict[int, list[int]] = {}
+        for i, (s, _) in enumerate(mine):
+            k = _which(s, scales, 1e-6)
+            if k is not None:
+                sets.setdefault(k, []).append(i)
+        out.append([(sets[k], scales[k]) for k in sorted(sets)])
+    return out
 
 
 def _lines(d: Diagnosis, limit: float) -> list[str]:
@@ -148,23 +291,47 @@ def _lines(d: Diagnosis, limit: float) -> list[str]:
         f"  global norm {d.global_norm:.6g}: the correct scale is {d.expected_scale:.6g} on every rank"
     )
     for r, (s, ok) in enumerate(zip(d.scales, d.uniform)):
+        if s is not None and math.isnan(s):
+            lines.append(f"  rank {r}: every value came back NaN (a NaN scale)")
+            continue
         words = implied.scale_words(s, limit, implied.digits_to_tell(s or 0.0, d.expected_scale))
         norm = d.implied_norms[r]
         own = d.local_norms[r]
         if norm is not None and own > 0 and not d.same_scale and abs(norm - own) <= 1e-6 * own:
             words += ": its own norm"
         lines.append(f"  rank {r}: {words}{'' if ok else ', not one scale for all its values'}")
-    if d.same_scale:
+    for r, sets in enumerate(d.split or []):
+        if len(sets) > 1:
+            parts = "; ".join(
+                f"array{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}: {implied.scale_words(s, limit)}"
+                for ids, s in sets
+            )
+            lines.append(f"  rank {r}'s arrays were scaled differently: {parts}")
+    if d.same_scale and not all(d.uniform):
+        lines.append("  a rank's values got different scales: a clip must apply one scale everywhere")
+    elif d.same_scale:
         lines.append("  every rank applied the same scale")
     else:
         lines.append("  the ranks applied different scales: a clip must apply one scale everywhere")
-    if d.bug is None:
+    if d.grade == "near miss" and FLOAT32_OVERFLOW in d.benign:
+        lines.append(
+            f"verdict: near miss: the global norm is above {implied.FLOAT32_NORM:.2g}, where a sum of squares"
+            " "
+            "in float32 overflows: the clip read inf and wiped the step"
+        )
+    elif d.bug is None:
         lines.append("verdict: correct: the global-norm clip")
+    elif d.grade == "near miss":
+        lines.append(
+            "verdict: near miss: epsilon: the global norm, but max_norm / (norm + 1e-6) as torch does "
+            "(off the exact scale by about 1e-6 / norm)"
+        )
     elif d.bug == "unknown":
         lines.append("verdict: wrong, like no bug of the gallery")
     else:
-        bug = gallery.STRATEGIES[d.bug]
-        lines.append(f"verdict: wrong: {bug.name}: {bug.summary}")
+        bug = gallery.STRATEGIES.get(d.bug) or gallery.LAYOUT_BUG_NAMES[d.bug]
+        also = f" (with {', '.join(d.benign)})" if d.benign else ""
+        lines.append(f"verdict: wrong: {bug.name}{also}: {bug.summary}")
         lines.append(f"  why it is wrong: {bug.explanation}")
         if len(d.matches) > 1:
             lines.append(f"  (this step cannot tell it from {', '.join(d.matches[1:])})")
@@ -176,7 +343,7 @@ def _lines(d: Diagnosis, limit: float) -> list[str]:
     wrong = [
         r
         for r, s in enumerate(d.scales)
-        if s is not None and not math.isclose(s, d.expected_scale, rel_tol=1e-6)
+        if s is not None and (math.isnan(s) or not math.isclose(s, d.expected_scale, rel_tol=1e-6))
     ]
     if wrong and d.bug is not None:
         lines.append(f"  ranks off the correct scale: {rank_list(wrong)}")

@@ -28,7 +28,7 @@ from .dverdict import (
     gallery_names,
     judge_runs,
 )
-from .families import ALL_CASES, Family, choose
+from .families import ALL_CASES, Family, choose, family_of
 from .job import JobSpec, run_cases
 from .spread import RankCase, make_rank_cases
 from .target import Target
@@ -108,8 +108,24 @@ def _with_epsilon(case: RankCase, outputs: Sequence[Sequence[np.ndarray]]) -> li
     return out
 
 
-def _layout_cases(shape: dict[str, int], count: int, seed: int) -> tuple[list[Any], list[DistCase], dict]:
-    cases = layout_cases.make_layout_cases(shape, count, seed)
+def _layout_family(cases: Sequence[Any], family: Family) -> list[Any]:
+    """The layout cases of ``family``: in its dtype, with max_norm > 0, no frozen stage."""
+    out, labels = [], set()
+    for c in cases:
+        if (family.positive and not c.max_norm > 0) or (family.nonempty and c.frozen):
+            continue
+        if family.dtype is not None and c.dtype != family.dtype:
+            c = c._replace(dtype=family.dtype, label=c.label.replace(c.dtype, family.dtype))
+        if c.label not in labels:  # the fixed cases of the other dtype become this dtype's
+            labels.add(c.label)
+            out.append(c)
+    return out
+
+
+def _layout_cases(
+    shape: dict[str, int], count: int, seed: int, family: Family = ALL_CASES
+) -> tuple[list[Any], list[DistCase], dict]:
+    cases = _layout_family(layout_cases.make_layout_cases(shape, count, seed), family)
     views = []
     for c in cases:
         ranks, entries = layout_cases._simulated_inputs(c, shape, None)
@@ -136,14 +152,19 @@ def judge_distributed(
     """Run FUNC on ``size`` ranks over every case of ``family`` and judge what each rank did."""
     if layout is not None:
         size = math.prod(layout.values())
-        cases, views, gallery = _layout_cases(layout, count, seed)
-        mode = "layout"
+        cases, views, gallery = _layout_cases(layout, count, seed, family)
+        mode = "torch-layout" if torch else "layout"
     else:
         cases, views, gallery = rank_cases(size, count, seed, family)
         mode = "torch" if torch else "numpy"
     spec = JobSpec(target, size, mode, layout, timeout)
-    runs = run_cases(spec, cases)
+    runs = run_cases(spec, cases, [family_of(v.ranks) for v in views])
     note = runs.note
     if family:
         note = f"cases of one family: {family.words()}" + (f"; {note}" if note else "")
-    return judge_runs(str(target), size, views, runs.runs, gallery, runs.stopped, note)
+    if runs.ran is not None:  # the cases of a family that crashed were left out: judge those that ran
+        views = [views[i] for i in runs.ran]
+        gallery = {name: [outputs[i] for i in runs.ran] for name, outputs in gallery.items()}
+    return judge_runs(
+        str(target), size, views, runs.runs, gallery, runs.stopped, note, not_run=runs.not_run or {}
+    )

@@ -18,7 +18,8 @@ MAX_VALUES = 2000  # a failure lists its arrays' values up to this many per case
 
 def _mode_words(mode: str, layout: dict[str, int] | None) -> str:
     if layout:
-        return f" over the layout {','.join(f'{k}={v}' for k, v in layout.items())}"
+        torch = " with torch.distributed (gloo)" if mode == "torch-layout" else ""
+        return f" over the layout {','.join(f'{k}={v}' for k, v in layout.items())}{torch}"
     return " with torch.distributed (gloo)" if mode == "torch" else ""
 
 
@@ -74,6 +75,8 @@ def as_json(v: DistVerdict, *, mode: str, layout: dict | None, count: int, seed:
         "mode": mode,
         "layout": layout,
         "notes": v.notes,
+        "not_run": dict(v.not_run),
+        "families": [line.strip() for line in family_lines(v)[1:]],
         "failures": failures,
     }
 
@@ -99,9 +102,9 @@ def report(v: DistVerdict, *, mode: str, layout: dict | None, seed: int, shown: 
     )
     if v.passed:
         return lines
-    if not layout:  # before the failures: which families of cases the function cannot take
-        at = next(i for i, line in enumerate(lines) if "verdict:" in line)
-        lines[at:at] = family_lines(v)
+    # before the failures: which families of cases the function cannot take
+    at = next(i for i, line in enumerate(lines) if "verdict:" in line)
+    lines[at:at] = family_lines(v)
     for i in v.failed[:shown]:
         case, run = v.cases[i], v.runs[i]
         lines.append(f"  {case.label}  (max_norm {case.max_norm:g})")

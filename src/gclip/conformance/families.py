@@ -19,7 +19,7 @@ import numpy as np
 
 from .spread import RankCase
 
-__all__ = ["ALL_CASES", "DTYPES", "Family", "choose", "family_lines"]
+__all__ = ["ALL_CASES", "DTYPES", "Family", "choose", "family_lines", "family_of"]
 
 DTYPES = ("float16", "float32", "float64")
 
@@ -74,22 +74,27 @@ def choose(cases: Sequence[RankCase], family: Family) -> list[RankCase]:
     return out
 
 
-def _family_of(ranks: Sequence[Sequence[np.ndarray]]) -> str:
-    dtypes = sorted({a.dtype.name for arrays in ranks for a in arrays if a.size})
+def family_of(ranks: Sequence[Sequence[np.ndarray]]) -> str:
+    """A case's family: the dtypes of its arrays (empty ones too: code that stacks per-array norms
+    promotes to them), and whether a rank holds no values ('float32 and float64, a rank with
+    nothing')."""
+    dtypes = sorted({a.dtype.name for arrays in ranks for a in arrays})
     empty = any(sum(a.size for a in arrays) == 0 for arrays in ranks)
-    return (" and ".join(dtypes) or "no values") + (", a rank with nothing" if empty else "")
+    return (" and ".join(dtypes) or "no arrays") + (", a rank with nothing" if empty else "")
 
 
 def family_lines(verdict: Any) -> list[str]:
-    """Per family of the cases run (their dtypes, whether a rank holds nothing): how many passed,
-    raised or did not finish, when some case raised or did not finish; else nothing. Says which
-    family a function cannot take (``--dtype`` and ``--nonempty-ranks`` keep the others)."""
+    """Per family of the cases (their dtypes, whether a rank holds nothing): how many passed,
+    raised or did not finish, and how many were not run (a family whose cases crashed is left
+    after a few, the others go on), when some case raised or did not finish; else nothing. Says
+    which family a function cannot take (``--dtype`` and ``--nonempty-ranks`` keep the others)."""
     words = (" raised ", "died", "waited")
-    if not any(k in verdict.reasons.get(i, "") for i in verdict.failed for k in words):
+    not_run = dict(getattr(verdict, "not_run", ()) or ())
+    if not not_run and not any(k in verdict.reasons.get(i, "") for i in verdict.failed for k in words):
         return []
-    counts: dict[str, list[int]] = {}
+    counts: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in not_run}
     for i, case in enumerate(verdict.cases):
-        row = counts.setdefault(_family_of(case.ranks), [0, 0, 0, 0])  # run, passed, raised, lost
+        row = counts.setdefault(family_of(case.ranks), [0, 0, 0, 0])  # run, passed, raised, lost
         row[0] += 1
         run = verdict.runs[i]
         if i not in verdict.reasons:
@@ -100,8 +105,16 @@ def family_lines(verdict: Any) -> list[str]:
             row[2] += 1
     lines = ["  by family of cases:"]
     for name, (run, passed, raised, lost) in sorted(counts.items()):
-        parts = [f"{passed} of {run} pass"]
-        parts += [f"{raised} raised"] if raised else []
-        parts += [f"{lost} did not finish"] if lost else []
+        if run and raised + lost == run and name in not_run:
+            each = f"each of the {run} cases" if run > 1 else "the one case"
+            parts = [f"crashed on {each} run (a rank raised or died)"]
+        elif run and raised == run:
+            parts = ["raised on every case"]
+        else:
+            parts = [f"{passed} of {run} pass"]
+            parts += [f"{raised} raised"] if raised else []
+            parts += [f"{lost} did not finish"] if lost else []
+        if name in not_run:
+            parts.append(f"the other {not_run[name]} not run (the other families went on)")
         lines.append(f"    {name:<40} {', '.join(parts)}")
     return lines

@@ -55,6 +55,8 @@ class Runs(NamedTuple):
     runs: list[CaseRun]  # one per case run (fewer than the cases when the judge stopped)
     stopped: str | None
     note: str | None
+    ran: list[int] | None = None  # the index of each run's case (None: the first len(runs) cases)
+    not_run: dict[str, int] | None = None  # per family that crashed: how many of its cases were left
 
 
 class _Rank:
@@ -210,36 +212,58 @@ def _case_run(job: _Job, case: int, died: dict[int, str], seconds: float | None)
     return CaseRun(ranks, stuck.reason, stuck.kind, stuck.culprits)
 
 
-def run_cases(spec: JobSpec, cases: Sequence[Any]) -> Runs:
-    """Every case on ``spec.ranks`` ranks, a fresh job after each case that hangs or kills."""
+CRASHED = ("raised", "died")  # a lost case whose culprit raised or died: the family crashed, no hang
+
+
+def run_cases(spec: JobSpec, cases: Sequence[Any], families: Sequence[str] | None = None) -> Runs:
+    """Every case on ``spec.ranks`` ranks, a fresh job after each case that hangs or kills.
+
+    ``families``: each case's family (its dtypes, whether a rank holds nothing). A case lost
+    because a rank raised or died while the others waited (float64 in code that takes float32
+    only, gloo aborting on a dtype mismatch across ranks) counts against its family: after
+    ``MAX_LOST`` of them the family's other cases are left out and the others go on. A hang (a
+    rank that skipped the collective, a deadlock, a loop) counts against the job: after
+    ``MAX_LOST`` the judge stops, as ever."""
+    kinds = list(families) if families is not None else ["" for _ in cases]
     runs: list[CaseRun] = []
-    lost = 0
+    ran: list[int] = []
+    todo = list(range(len(cases)))
+    hung = 0
+    crashed: dict[str, int] = {}
+    not_run: dict[str, int] = {}
     note = None
     stopped = None
     jobdir = tempfile.mkdtemp(prefix="gclip-judge-")
     try:
-        with open(os.path.join(jobdir, "cases.pkl"), "wb") as f:
-            pickle.dump(list(cases), f)
-        first = 0
-        while first < len(cases):
-            job = _Job(spec, jobdir, first, len(cases))
-            outcome = _watch(job, spec, first, len(cases))
+        while todo:
+            with open(os.path.join(jobdir, "cases.pkl"), "wb") as f:
+                pickle.dump([cases[i] for i in todo], f)
+            job = _Job(spec, jobdir, 0, len(todo))
+            outcome = _watch(job, spec, 0, len(todo))
             runs += outcome.runs
+            ran += todo[: len(outcome.runs)]
             note = note or outcome.note
             if outcome.usage is not None:
                 raise LoadError(outcome.usage)
             if outcome.lost is None:
                 break
-            lost += 1
-            first = first + len(outcome.runs)
-            if lost >= MAX_LOST and first < len(cases):
-                stopped = (
-                    f"{lost} cases hung or ended a rank; the other {len(cases) - first} cases were not run"
-                )
+            todo = todo[len(outcome.runs) :]
+            if outcome.runs[-1].lost_kind in CRASHED:
+                family = kinds[ran[-1]]
+                crashed[family] = crashed.get(family, 0) + 1
+                if crashed[family] >= MAX_LOST:
+                    left = [i for i in todo if kinds[i] == family]
+                    if left:
+                        not_run[family] = len(left)
+                        todo = [i for i in todo if kinds[i] != family]
+                continue
+            hung += 1
+            if hung >= MAX_LOST and todo:
+                stopped = f"{hung} cases hung; the other {len(todo)} cases were not run"
                 break
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
-    return Runs(runs, stopped, note)
+    return Runs(runs, stopped, note, ran, not_run)
 
 
 class _Watched(NamedTuple):

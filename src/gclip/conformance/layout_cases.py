@@ -195,6 +195,21 @@ def simulate(case: LayoutCase, shape: dict[str, int], bug: str | None = None) ->
     if layout_bug is not None and layout_bug.apart in shape:
         apart = layout_bug.apart
         return (_apart(case, shape, layout_bug, arrays, entries), _apart_kept(case, shape, apart))
+    if layout_bug is not None and layout_bug.split in shape:  # the experts and the rest: two clips
+        pieces = _simulated_model(tuple(shape.items()), case.dtype, case.frozen, layout_bug)[2]
+        out: list[list[np.ndarray]] = [list(a) for a in arrays]
+        for experts in (False, True):
+            part = [[i for i, p in enumerate(ps) if (layout_bug.split in p.placement.sharded) == experts]
+                    for ps in pieces]  # fmt: skip
+            results = clip_simulated(
+                [[arrays[r][i] for i in part[r]] for r in range(size)],
+                case.max_norm,
+                replicated=[[entries[r][i] for i in part[r]] for r in range(size)],
+            )
+            for r, res in enumerate(results):
+                for i, g in zip(part[r], res.grads):
+                    out[r][i] = g
+        return out
     if layout_bug is not None and layout_bug.omit in shape:
         pieces = _simulated_model(tuple(shape.items()), case.dtype, case.frozen, layout_bug)[2]
         kept = [[i for i, p in enumerate(ps) if layout_bug.omit not in p.placement.sharded] for ps in pieces]

@@ -51,12 +51,18 @@ def outcome_event(value: Any, given: list[np.ndarray], was: Any = None) -> dict:
     return {"kind": "value", "value": encode(arrays)}
 
 
-def call_numpy(fn: Any, arrays: list[np.ndarray], max_norm: float, comm: Any, *extra: Any) -> dict:
-    """Call ``fn(grads, max_norm, comm, *extra)`` on copies; its outcome as an event."""
+def call_numpy(
+    fn: Any, arrays: list[np.ndarray], max_norm: float, comm: Any, *extra: Any, attrs: Any = None
+) -> dict:
+    """Call ``fn(grads, max_norm, comm, *extra)`` on copies; its outcome as an event
+    (``attrs``: per array, the attributes it carries, see ``params``)."""
     from ..errors import exception_line
     from .outcome import before
+    from .params import with_attributes
 
     given = [np.array(a, copy=True) for a in arrays]
+    if attrs is not None:
+        given = [with_attributes(g, a) for g, a in zip(given, attrs)]
     was = before(given)  # before the call: a clip that reshapes its input changes the input too
     try:
         value = fn(given, max_norm, comm, *extra)
@@ -65,18 +71,23 @@ def call_numpy(fn: Any, arrays: list[np.ndarray], max_norm: float, comm: Any, *e
     return outcome_event(value, given, was)
 
 
-def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any) -> dict:
-    """Call ``fn(parameters, max_norm, group)``; the parameters' .grad after it is the outcome."""
+def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any, attrs: Any = None) -> dict:
+    """Call ``fn(parameters, max_norm, group)``; the parameters' .grad after it is the outcome
+    (``attrs``: per parameter, the attributes set on it, see ``params``)."""
     import torch
 
     from ..errors import exception_line
     from .outcome import before, changed, encode
 
     params = []
-    for a in arrays:
+    for i, a in enumerate(arrays):
         p = torch.nn.Parameter(torch.zeros(a.shape, dtype=torch.from_numpy(a).dtype))
         p.grad = torch.from_numpy(np.array(a, copy=True))
+        for key, value in (attrs[i] if attrs is not None else {}).items():
+            setattr(p, "param_name" if key == "name" else key, value)  # a tensor's .name is torch's
         params.append(p)
+    if attrs is not None and hasattr(group, "named"):  # layout.named_parameters(), as a module's
+        group.named = [(a["name"], p) for a, p in zip(attrs, params)]
     was = before([p.grad for p in params])  # shape, dtype and device of each .grad, before the call
     try:
         fn(params, max_norm, group)
@@ -113,7 +124,7 @@ def main(jobdir: str) -> int:
     rec = recorder.install(recorder.Recorder(sink))
     recorder.record_world()  # before the file is loaded: its COMM_WORLD records too (for good here)
     group = None
-    if job["mode"] == "torch":
+    if job["mode"] in ("torch", "torch-layout"):
         import torch.distributed as dist
 
         store = os.path.join(jobdir, "torch-store")
@@ -122,6 +133,10 @@ def main(jobdir: str) -> int:
         )
         recorder.record_torch()
         group = dist.group.WORLD
+        if job["mode"] == "torch-layout":  # the mesh's groups, made before the file is loaded
+            from .params import TorchLayout
+
+            group = TorchLayout(job["layout"], world.Get_rank())
     sink({"e": "loading"})  # the judge names a rank that never says "ready" after this
     try:
         fn, note = load(job["kind"], job["where"], job["func"])
@@ -138,7 +153,7 @@ def main(jobdir: str) -> int:
     with open(os.path.join(jobdir, "cases.pkl"), "rb") as f:
         cases = pickle.load(f)
     mesh = None
-    if job["mode"] == "layout":
+    if job["mode"] in ("layout", "torch-layout"):
         from ..layout import Mesh
 
         mesh = Mesh(comm, **job["layout"])
@@ -149,10 +164,15 @@ def main(jobdir: str) -> int:
         sink({"e": "start", "c": i})
         if mesh is not None:
             from .layout_cases import layout_inputs
+            from .params import attributes
 
-            arrays, entries, _ = layout_inputs(case, mesh)  # collective (Split): outside the record
+            arrays, entries, pieces = layout_inputs(case, mesh)  # collective (Split): outside the record
+            attrs = [attributes(p, mesh.shape, mesh.coords) for p in pieces]
             rec.begin(i)
-            event = call_numpy(fn, arrays, case.max_norm, comm, mesh, entries)
+            if group is not None:
+                event = _call_torch(fn, arrays, case.max_norm, group, attrs)
+            else:
+                event = call_numpy(fn, arrays, case.max_norm, comm, mesh, entries, attrs=attrs)
         elif group is not None:
             rec.begin(i)
             event = _call_torch(fn, case.ranks[world.Get_rank()], case.max_norm, group)

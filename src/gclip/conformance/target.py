@@ -85,6 +85,7 @@ FORMS = {
     "numpy": (" --ranks 2", "(grads, max_norm, comm)"),
     "torch": (" --ranks 2 --torch", "(parameters, max_norm, group)"),
     "layout": (" --layout dp=2", "(grads, max_norm, comm, mesh, replicated)"),
+    "torch-layout": (" --layout dp=2 --torch", "(parameters, max_norm, layout)"),
 }
 
 

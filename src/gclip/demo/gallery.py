@@ -22,7 +22,7 @@ def render_bugs(as_json: bool) -> str:
         items += [{**card(b), "kind": "usage", "buggy": False, "see": USAGE_SEE} for b in USAGE_BUGS]
         return dumps(items, separators=(",", ":"))
     total = len(BUGS) + len(LAYOUT_BUGS) + len(USAGE_BUGS)
-    width = 22
+    width = max(22, 2 + max(len(b.name) for b in (*BUGS, *LAYOUT_BUGS, *USAGE_BUGS)))
     pad = width + ansi_pad(red(""))
     lines = [bold(f"gclip bug gallery: {total} ways to get global-norm clipping wrong"), ""]
     lines.append(

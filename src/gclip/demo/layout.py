@@ -89,6 +89,7 @@ def _sent(run: layout_run.RankClip) -> dict:
         "counted": run.counted,
         "held": run.held,
         "note": run.note,
+        "split": run.split,
         "pieces": [(p.name, p.part, p.kind, p.array) for p in run.pieces],
         "counts": [p.replicated is False or layout_run.counts_here(p.replicated) for p in run.pieces],
     }
@@ -159,6 +160,8 @@ def build_report(opts: Options, mesh: Mesh, rows: list, gathered: list[dict]) ->
                 {k: r[k] for k in ("rank", "coords", "held", "counted", "norm", "scale")} for r in per_rank
             ],
         }
+        if per_rank[0].get("split") is not None:  # two clips on every rank: the dense tensors', the experts'
+            entry["split"] = [[list(x) for x in r["split"]] for r in per_rank]
         report["correct" if mode == GLOBAL.name else "bug_run"] = entry
     report["holdings"] = _holdings(gathered, parts, opts.p)
     report["global_norm"] = report["correct"]["norms"][0]
@@ -349,10 +352,17 @@ def happened(report: dict) -> list[str]:
     if b["note"]:
         return [b["note"][0].upper() + b["note"][1:] + "."]
     out = []
-    if not b["same_on_all_ranks"]:
+    if b.get("split"):
+        (dense, dense_scale), (experts, experts_scale) = b["split"][0]
+        out.append(
+            f"Every rank clipped its dense tensors by their own norm {num(dense)} (scale {num(dense_scale)}) "
+            f"and its experts by theirs, {num(experts)} (scale {num(experts_scale)}): two norms, neither the "
+            f"true one, {num(report['global_norm'])}."
+        )
+    elif not b["same_on_all_ranks"]:
         out.append("The ranks clipped by different norms: there was no global norm at all.")
     ratio = b["norms"][0] / report["global_norm"] if b["norms"][0] and report["global_norm"] else None
-    if ratio is not None and b["same_on_all_ranks"] and abs(ratio - 1) > 1e-9:
+    if ratio is not None and b["same_on_all_ranks"] and abs(ratio - 1) > 1e-9 and not b.get("split"):
         more = "too large: clipped too hard" if ratio > 1 else "too small: clipped too little"
         out.append(f"Every rank used the norm {num(b['norms'][0])}, {num(ratio, 4)} x the true one, {more}.")
     if limit > 0:

@@ -85,7 +85,13 @@ def shard_for(opts: Options, rank: int) -> np.ndarray:
     """Rank ``rank``'s shard (the given shards repeat when ``rank`` is past them)."""
     if opts.shards is not None:
         return np.asarray(opts.shards[rank % len(opts.shards)], dtype=np.float64)
-    return random_shard(opts.seed, rank, opts.size)
+    return random_shard(opts.seed, rank, opts.size) * _data_scale(opts)
+
+
+def _data_scale(opts: Options) -> float:
+    """The default data's factor: 1, or the bug's own (nan-mask shows only on a norm that overflows)."""
+    bug = STRATEGIES.get(opts.bug or "")
+    return bug.data_scale if bug is not None else 1.0
 
 
 def grads_for(opts: Options, shard: np.ndarray) -> tuple[list[np.ndarray], list[bool]]:
@@ -222,7 +228,7 @@ def build_report(opts: Options, gathered: list[dict]) -> dict:
 def _data_info(opts: Options, ranks: int) -> dict:
     if opts.shards is not None:
         return {"source": "shards"}
-    norms = [shard_norm(opts.seed, r) for r in range(ranks)]
+    norms = [shard_norm(opts.seed, r) * _data_scale(opts) for r in range(ranks)]
     return {"source": "seed", "seed": opts.seed, "size": opts.size, "shard_norms": norms}
 
 
@@ -233,7 +239,9 @@ def _summary(gathered: list[dict], mode: str, p: float, original: np.ndarray) ->
     return {
         "global_norm": first["norm"],
         "scale": first["scale"],
-        "same_on_all_ranks": all(r["norm"] == first["norm"] and r["scale"] == first["scale"] for r in runs),
+        "same_on_all_ranks": all(
+            _same(r["norm"], first["norm"]) and _same(r["scale"], first["scale"]) for r in runs
+        ),
         "finite": all(r["finite"] for r in runs),
         "clipped": [r["grads"][0] for r in runs],
         "clipped_replicated": [r["grads"][1] for r in runs] if len(first["grads"]) > 1 else [],
@@ -253,6 +261,11 @@ def _summary(gathered: list[dict], mode: str, p: float, original: np.ndarray) ->
             for g, r in zip(gathered, runs)
         ],
     }
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal, a NaN equal to a NaN (every rank's NaN scale is one scale)."""
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _max_error(gathered: list[dict], mode: str, reference: str) -> float:

@@ -280,7 +280,12 @@ def _happened_buggy(report: dict, opts: Options) -> list[str]:
             f"The correct global norm is {c['global_norm']}: gclip leaves the gradient untouched "
             "(finite=False) so the caller can skip the step."
         )
-    if not report["same_on_all_ranks"]:
+    if all(math.isnan(s) for s in report["scales"]):
+        out.append(
+            red("  Every rank's scale is NaN, so every value is now NaN (the step is lost):")
+            + f" the norm used was {report['norms_used'][0]}, the correct one {num(c['global_norm'])}."
+        )
+    elif not report["same_on_all_ranks"]:
         out.append("  The ranks used different norms and scales: there was no global norm at all.")
     if got == 0.0 and want > 0.0:
         out.append(red("  The gradient was wiped out: every value is now 0 (the step is lost)."))

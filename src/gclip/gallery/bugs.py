@@ -16,6 +16,12 @@ typo is an error, not a new behaviour):
 ``accumulate``       the dtype the local sum of squares is accumulated in.
 ``untouched_if_nonfinite`` gclip leaves gradients alone when the norm is inf/NaN;
                      frameworks compute max_norm / inf = 0 and wipe them.
+``nan_if_nonfinite`` an inf/NaN norm masked by arithmetic (0 x inf = NaN): the scale is
+                     NaN and every gradient becomes NaN.
+``total_dtype``      the dtype the combined sum is cast to (float32: it overflows above a
+                     norm of 1.8e19, where the float64 sum does not).
+``data_scale``       the demo's default data times this: a bug that shows only on an
+                     overflow is shown on data that overflows.
 
 So sum-of-norms is (share NORM, norm_op SUM), max-of-norms (share NORM,
 norm_op MAX), mean-of-norms adds a finish that divides by the ranks, and
@@ -105,6 +111,9 @@ class Strategy:
     norm_op: NormOp = NormOp.SUM  # with share NORM: how local norms combine
     untouched_if_nonfinite: bool = True  # False: scale = max_norm / inf = 0, as frameworks do
     norm_type: float | None = None  # the norm type that makes the bug show (inf-pow: inf)
+    nan_if_nonfinite: bool = False  # an inf/NaN norm becomes a NaN scale (0 x inf in a mask)
+    total_dtype: str = "float64"  # the combined sum cast to this dtype before its root
+    data_scale: float = 1.0  # the demo's default data times this (the data the bug shows on)
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -129,7 +138,7 @@ class Strategy:
             local_partials=self._local,
             in_header=self._in_header,
             combine=self._combine,
-            finish=None if self.finish_norm is exact_norm else self._finish,
+            finish=None if self.finish_norm is exact_norm and self.total_dtype == "float64" else self._finish,
             scale=self.scale,
         )
 
@@ -174,11 +183,18 @@ class Strategy:
     def _finish(
         self, norm: float, *, p: float, count: int, ranks: int, power: tuple[float, int] | None = None
     ) -> float:
+        if self.total_dtype != "float64" and math.isfinite(norm) and math.isfinite(p):
+            if norm > float(np.finfo(self.total_dtype).max) ** (1.0 / p):  # its sum of |x|^p overflows
+                norm = math.inf
+        if self.finish_norm is exact_norm:  # the common case, without the keyword call
+            return norm
         return self.finish_norm(norm=norm, p=p, count=count, ranks=ranks, power=power)
 
     def scale(self, norm: float, max_norm: float) -> float:
         """The scale rule (``gclip.policy``) on norm + epsilon; a framework's
         max_norm / inf = 0 where it does not leave a non-finite gradient alone."""
+        if not math.isfinite(norm) and self.nan_if_nonfinite:
+            return math.nan
         if not math.isfinite(norm) and not self.untouched_if_nonfinite:
             return min(1.0, max_norm / (norm + self.epsilon))
         return policy.scale(norm + self.epsilon, max_norm)
@@ -257,7 +273,8 @@ BUGS: tuple[Strategy, ...] = (
     Strategy(
         "mean-of-norms",
         "local norms averaged over ranks",
-        incident="DeepSpeed #8475 (AutoEP: rank-local norms averaged, 7.236 instead of 10.954)",
+        incident="DeepSpeed #8475 (AutoEP FP32 clipping averages rank-local norms across ranks that own "
+        "different experts)",
         explanation="The mean of the R local norms is between sqrt(R) and R times below the global "
         "norm, so clipping starts too late and clips too little.",
         share=Share.NORM,
@@ -316,6 +333,20 @@ BUGS: tuple[Strategy, ...] = (
         accumulate=Accumulate.FLOAT16,
         untouched_if_nonfinite=False,
     ),
+    Strategy(
+        "nan-mask",
+        "an overflowing norm masked by arithmetic: 0 x inf makes every gradient NaN",
+        incident="DeepSpeed PR #7171 (ZeRO-1/2's get_grad_norm_direct: total_norm = inf_or_nan * err + "
+        "inf_or_nan.logical_not() * total_norm is NaN for an inf norm; fixes issue #5242, grad_norm and "
+        "loss NaN)",
+        explanation="The mask was meant to turn an inf norm into -1 (skip the clip), but 0 x inf is NaN: "
+        "the norm stays NaN, the scale becomes NaN and every gradient is NaN. It shows only when the "
+        "norm overflows (here the total is cast to float32, which overflows above 1.8e19, as DeepSpeed's "
+        "is): --buggy shows it on the default data times 1e18.",
+        total_dtype="float32",
+        nan_if_nonfinite=True,
+        data_scale=1e18,
+    ),
 )
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (GLOBAL, *BUGS)}
@@ -343,6 +374,9 @@ class LayoutBug:
     ``apart``    the all-reduce leaves out this axis: ranks that differ along it
                  never combine, each slice clips by its own norm.
     ``omit``     tensors sharded along this axis are scaled but not counted.
+    ``within``   ``drop`` and ``add`` apply only to tensors sharded along this axis (the experts).
+    ``split``    tensors sharded along this axis and the others are two clips: each set is
+                 clipped by its own global norm (two optimizers, each with its own clip).
     ``skips_collective`` a rank with nothing to clip returns before the all-reduce.
     ``shows_on`` a layout where the bug shows (the lab demonstrates it there).
     """
@@ -357,17 +391,26 @@ class LayoutBug:
     apart: str | None = None
     omit: str | None = None
     skips_collective: bool = False
+    within: str | None = None
+    split: str | None = None
     shows_on: str = "pp=2,dp=2,tp=2"
 
     def declare(self, placement: Any) -> Any:
         """The placement this bug declares for a tensor that lies at ``placement``."""
-        reps = tuple(a for a in placement.replicated if a not in self.drop and a != self.apart)
-        reps += tuple(a for a in self.add if a in placement.sharded and a not in reps)
+        mine = self.within is None or self.within in placement.sharded
+        drop, add = (self.drop, self.add) if mine else ((), ())
+        reps = tuple(a for a in placement.replicated if a not in drop and a != self.apart)
+        reps += tuple(a for a in add if a in placement.sharded and a not in reps)
         tied = None if self.untie or placement.tied == self.apart else placement.tied
         return placement._replace(replicated=reps, tied=tied)
 
     def as_dict(self) -> dict[str, Any]:
         return card(self, shows_on=self.shows_on)
+
+    def axes(self) -> set[str]:
+        """The axes this bug acts on: it changes nothing unless each is in the mesh, > 1."""
+        named = (self.apart, self.omit, self.within, self.split)
+        return {*self.drop, *self.add, *(a for a in named if a)} | ({"pp"} if self.untie else set())
 
 
 LAYOUT_BUGS: tuple[LayoutBug, ...] = (
@@ -444,11 +487,34 @@ LAYOUT_BUGS: tuple[LayoutBug, ...] = (
     LayoutBug(
         "experts-left-out",
         "expert gradients scaled but left out of the norm",
-        "DeepSpeed PR #8613 (fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0)",
+        "DeepSpeed PR #8613 (unfused fp16 optimizer: expert gradients dropped, 6.0 instead of 10.0)",
         "The norm covers the dense weights only, so it is too small and the experts, often most of "
         "a mixture-of-experts model, are clipped too little. The scale is the same on every rank, so "
         "the direction is kept: the step is too long.",
         omit="ep",
+        shows_on="dp=2,ep=2,tp=2",
+    ),
+    LayoutBug(
+        "expert-tp-shards-dropped",
+        "expert weights sharded over tp counted on tp-rank 0 only",
+        "Megatron-LM PR #5916 (EP > 1 and TP > 1: expert weights not marked tensor-parallel, so the norm "
+        "omits the expert shards held on tp-ranks > 0)",
+        "The experts' tp shards are taken for copies: only tp-rank 0's shard of each expert counts, the "
+        "others are missing, so the norm is too small and the gradient is clipped too little. The scale "
+        "is the same on every rank, so the direction is kept: the step is too long.",
+        add=("tp",),
+        within="ep",
+        shows_on="dp=2,ep=2,tp=2",
+    ),
+    LayoutBug(
+        "dense-expert-apart",
+        "dense and expert gradients clipped by separate norms",
+        "Megatron-LM commit abf10f85 (fix dual-optimizer gradient clipping: before it ChainedOptimizer "
+        "stepped its dense and expert optimizers one by one, each clipping by its own norm); Megatron-LM "
+        "#785 (the two optimizers perform grad-norm for their own parameters)",
+        "The dense weights and the experts each end at the limit, so the whole update reaches up to "
+        "sqrt(2) x the limit, and the two parts get different scales: the direction changes.",
+        split="ep",
         shows_on="dp=2,ep=2,tp=2",
     ),
     LayoutBug(
@@ -478,17 +544,12 @@ def _unknown(name: Any) -> str:
 
 
 def steps_for(name: Any) -> engine.Steps:
-    """The steps to run for ``name``: its strategy's, or steps that refuse to run,
-    so that an unknown name is an error raised on every rank together."""
+    """The steps to run for ``name``: its strategy's, or steps whose local step refuses (before
+    the header), so that an unknown name is an error raised on every rank together."""
     try:
         return STRATEGIES[name].steps
     except (KeyError, TypeError):
-        return _unknown_steps(name)
-
-
-def _unknown_steps(name: Any) -> engine.Steps:
-    """No strategy has this name: the local step raises (before the header, so it is agreed)."""
-    message = _unknown(name)
+        message = _unknown(name)
 
     def refuse(arrays: Sequence[Any], spec: engine.Spec, owned: Any, backend: Any) -> engine.Local:
         raise GclipValueError(message)

@@ -7,7 +7,8 @@
   suite: a watchdog prints which ranks did what and aborts the job.
 - :func:`diagnose` takes one step of your real training code, the gradients
   before and after its clip, and says which scale each rank applied, whether
-  they agree, the norm that implies, and the gallery bug it matches.
+  they agree, the norm that implies, and the gallery bug it matches; it grades
+  the step as the command grades a case (pass, near miss, fail).
 
 See docs/judge.md for a test file to copy.
 """
