@@ -2,7 +2,7 @@
 
 The engine's backend for ``gclip.torch`` (see ``engine.norm_program``): the
 same functions as ``partials`` (count, power_sum, max_abs, scaled_power_sum,
-half_power_sum, binned_digits), computed with torch ops. Every sum is
+half_power_sum, binned_digits, scale), computed with torch ops. Every sum is
 accumulated in float64; a float16, bfloat16 or float32 tensor is converted
 chunk by chunk into one reused float64 buffer per device, so no full-size
 float32 or float64 copy is ever made. Per-chunk partials stay on the device and
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _kernels, partials
+from . import _kernels, partials, policy
 from .partials import BinnedPowerSum
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "half_power_sum",
     "max_abs",
     "power_sum",
+    "scale",
     "scaled_power_sum",
 ]
 
@@ -212,6 +213,34 @@ def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
             for s in torch.stack(ps).cpu().numpy():
                 total = np.float16(total + s)
     return float(total)
+
+
+def scale(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | None) -> None:
+    """Multiply each tensor in place, in its own dtype, by ``factor`` rounded toward zero.
+
+    float64: the product, rounded once. float32, float16 and bfloat16: torch
+    computes in float32 with the factor rounded toward zero to float32 (never up,
+    so rounding the factor cannot lift the clipped norm above the limit), then
+    rounds each product to the tensor's dtype. The factor travels as a 0-d
+    tensor on the device, as torch's clip does: no sync, and foreach kernels keep
+    it in float32 (given as a Python float, they round it to bfloat16 on the CPU).
+    ``foreach``: False scales tensor by tensor, else with torch's foreach kernels.
+    """
+    if factor == 1.0 or not arrays:  # exactly 1: nothing to do, not even a read
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in arrays:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in groups.items():
+        if dtype == torch.float64:
+            f = torch.full((), factor, dtype=torch.float64, device=device)
+        else:
+            f = torch.full((), float(policy.float32_toward_zero(factor)), dtype=torch.float32, device=device)
+        if foreach is False:
+            for g in group:
+                g.mul_(f)
+        else:
+            torch._foreach_mul_(group, f)
 
 
 # ---------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 Nothing here talks to MPI. The API calls these on every rank, keeps what they
 raise, and lets the engine agree on it (see ``errors``), so a bad argument on
 one rank is the same error on every rank.
+
+:func:`read` is how the call layer (``gclip.call``) reads numpy arrays: a
+:class:`Grads`, which gives the clip's result back in the layout given
+(:meth:`Grads.scaled`: the factor applied by the numpy backend, ``partials``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, partials
 from .errors import GclipError, GclipTypeError, GclipValueError
 
 __all__ = [
@@ -24,10 +28,12 @@ __all__ = [
     "LAUNCHER_SIZE_VARS",
     "Grads",
     "communicator",
+    "entries_of",
     "grads",
     "launched_size",
     "max_norm",
     "norm_type",
+    "read",
     "scale",
 ]
 
@@ -121,7 +127,7 @@ class Grads(NamedTuple):
                 )
         return out
 
-    def rebuild(self, outputs: list[Any]) -> Any:
+    def rebuild(self, outputs: Sequence[Any]) -> Any:
         """The outputs (one per distinct array) in the layout given; where a torch
         tensor was given, a tensor (on the new array's memory) comes back."""
         if self.container is None:
@@ -134,6 +140,12 @@ class Grads(NamedTuple):
     def as_given(self) -> Any:
         """What was given, the very objects (a generator's items as a list)."""
         return self.source
+
+    def scaled(self, factor: float, inplace: bool) -> Any:
+        """The arrays multiplied by ``factor`` (``partials.scale``), in the layout given: in
+        place, the very objects given (a factor of exactly 1 touches nothing); else new arrays."""
+        out = partials.scale(self.arrays, factor, inplace)
+        return self.source if inplace else self.rebuild(out)
 
 
 def _like(source: Any, out: np.ndarray) -> Any:
@@ -156,6 +168,24 @@ def _entry_text(entry: Any) -> str:
 
 def _same_entry(a: Any, b: Any) -> bool:
     return a is b or (isinstance(a, (bool, np.bool_)) and isinstance(b, (bool, np.bool_)) and a == b)
+
+
+def read(value: Any, replicated: Any, inplace: bool) -> tuple[Grads, list[np.ndarray], Sequence[Any] | None]:
+    """The call layer's reader for numpy arrays: (the checked :class:`Grads`, its distinct
+    arrays, their ``replicated=`` entries or None)."""
+    given = grads(value, inplace)
+    entries = None if replicated is None else given.per_array(entries_of(replicated, "array"), "replicated")
+    return given, given.arrays, entries
+
+
+def entries_of(replicated: Any, what: str) -> Sequence[Any]:
+    """``replicated=`` as a sequence, or a one-line error."""
+    if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
+        raise GclipTypeError(
+            f"replicated must be a list with one entry per {what}, got {type(replicated).__name__}"
+        )
+    entries: Sequence[Any] = replicated
+    return entries
 
 
 def grads(value: Any, inplace: bool) -> Grads:

@@ -1,35 +1,72 @@
-"""One rank's checked call: the layer every front end goes through.
+"""One rank's call, as a pipeline: the layer every front end goes through.
 
 A front end (``clip`` for numpy arrays, ``torch`` for tensors; DTensor next,
-through ``torch``'s gradients) reads its own kind of arrays and what
-``replicated=`` says of each, and hands them to :func:`prepare` as a
-``collect`` function. Here the scalar arguments are checked (once per
-setting: a training loop passes the same ones every step), the layout is
-turned into the engine's :class:`~gclip.engine.Counting`, and whatever is
-refused is kept, to be raised on every rank together. :func:`program` is
-then the engine's program for the call, on the front end's backend, run by
-whichever driver the front end has (MPI, torch.distributed, simulated ranks).
+through ``torch``'s gradients) names its :class:`Backend` (how its arguments are
+read, where the partials are computed) and its :class:`Driver` (MPI,
+torch.distributed), and calls :func:`run`; simulated ranks run R :func:`program`
+together (``engine.run_simulated``). The program flows top-down, from the
+arguments to the result, without handing anything back to the front end:
+
+1. the checks: the scalar settings (once per setting: a training loop passes the
+   same ones every step), the arrays (the backend's ``read``) and the layout, as
+   the engine's :class:`~gclip.engine.Counting`. Whatever is refused is kept, to be
+   raised on every rank together;
+2. the norm: the engine's program (``engine.norm_program``) on the backend;
+3. the scale: the scale rule (``policy``, unless the engine's hook replaces it),
+   applied by the backend to the arrays it read, the result in the layout given.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, NamedTuple, Protocol
 
-from . import _validate, engine, layout, partials
-from .errors import GclipTypeError, GclipValueError
+from . import _validate, engine, layout, partials, policy
+from .errors import GclipValueError
 
-__all__ = ["NO_LIMIT", "Call", "entries_of", "prepare", "program", "settings"]
+__all__ = [
+    "NO_LIMIT",
+    "NUMPY",
+    "Backend",
+    "Call",
+    "Done",
+    "Driver",
+    "Given",
+    "prepare",
+    "program",
+    "run",
+    "settings",
+]
 
-NO_LIMIT: Any = object()  # a norm alone: no max_norm to check
+NO_LIMIT: Any = object()  # a norm alone: no max_norm to check, nothing to scale
+
+
+class Given(Protocol):
+    """What a backend's ``read`` gives back: the arrays as given, to be scaled in their layout."""
+
+    def scaled(self, factor: float, inplace: bool) -> Any: ...
+
+
+# what a backend's ``read`` returns: (given, the distinct arrays, their replicated= entries or None)
+Collected = tuple[Given, Sequence[Any], Sequence[Any] | None]
+
+
+class Backend(NamedTuple):
+    """A kind of arrays, as the call layer works with them."""
+
+    read: Callable[[Any, Any, bool], Collected]  # (grads, replicated, inplace) -> Collected
+    partials: Any  # the engine's local partials where the arrays live (``partials``, ``_torch_partials``)
+
+
+NUMPY = Backend(_validate.read, partials)  # numpy arrays (``gclip.clip``)
 
 
 class Call(NamedTuple):
     """One rank's checked arguments (or the error to agree on)."""
 
-    given: Any  # what the front end gives the result back in (None where refused)
+    given: Any  # what the backend read, to scale in its layout (None where refused)
     arrays: Sequence[Any]  # the distinct arrays, each once
     spec: engine.Spec
     limit: float
@@ -39,15 +76,83 @@ class Call(NamedTuple):
     error: BaseException | None
 
 
-_FALLBACK_SPEC = engine.Spec(engine.CORRECT, 2.0, False)  # what a refusing rank reports
+class Done(NamedTuple):
+    """One rank's call, done (the same on every rank but ``grads``)."""
 
-# what a front end's ``collect`` returns: (given, the distinct arrays, their replicated= entries or None)
-Collected = tuple[Any, Sequence[Any], Sequence[Any] | None]
+    grads: Any  # the scaled arrays in the layout given (None: a norm alone)
+    arrays: Sequence[Any]  # the distinct arrays read, each once
+    info: engine.NormInfo  # the norm and this rank's part of it
+    scale: float  # the factor applied (1.0 for a norm alone)
+
+
+Program = Generator["engine.Reduce | engine.Gather", Any, Done]
+
+
+class Driver(Protocol):
+    """What runs a program on one rank: ``engine.Mpi``, ``gclip.torch``'s torch.distributed groups."""
+
+    rank: int
+    size: int
+
+    def run(self, program: Program) -> Done: ...
+
+
+def run(grads: Any, max_norm: Any, driver: Driver, backend: Backend = NUMPY, **options: Any) -> Done:
+    """One rank's call (:func:`program`, with ``options``) run by ``driver`` on its rank."""
+    return driver.run(program(grads, max_norm, backend, rank=driver.rank, size=driver.size, **options))
+
+
+def program(
+    grads: Any,
+    max_norm: Any,
+    backend: Backend = NUMPY,
+    *,
+    rank: int,
+    size: int,
+    comm: Any = None,
+    replicated: Any = None,
+    counting: Callable[[Any, Sequence[Any] | None, Sequence[Any]], engine.Counting] | None = None,
+    **options: Any,
+) -> Program:
+    """One rank's call on ``backend``'s arrays, from its arguments to its result, as a
+    program that a driver runs (``engine.run_mpi``, ``engine.run_simulated``,
+    ``gclip.torch``'s torch.distributed).
+
+    ``options``: ``norm_type``, ``steps`` (the engine's hook), ``inplace``,
+    ``reproducible``, ``error_if_nonfinite``. ``max_norm`` is :data:`NO_LIMIT` for a
+    norm alone. ``counting(given, entries, arrays)`` replaces ``layout.counting`` where
+    a front end reads more than ``replicated=`` (gclip.torch: DTensor placements).
+    """
+    checked = prepare(
+        grads, max_norm, backend, replicated, rank=rank, size=size, comm=comm, counting=counting, **options
+    )
+    info = yield from engine.norm_program(
+        checked.arrays,
+        checked.spec,
+        rank=rank,
+        size=size,
+        counting=checked.counting,
+        refused=checked.error,
+        error_if_nonfinite=checked.error_if_nonfinite,
+        backend=backend.partials,
+    )
+    if max_norm is NO_LIMIT:
+        return Done(None, checked.arrays, info, 1.0)
+    hook = checked.spec.steps
+    factor = (
+        policy.scale(info.norm, checked.limit) if hook.scale is None else hook.scale(info.norm, checked.limit)
+    )
+    return Done(checked.given.scaled(factor, checked.inplace), checked.arrays, info, factor)
+
+
+_FALLBACK_SPEC = engine.Spec(engine.CORRECT, 2.0, False)  # what a refusing rank reports
 
 
 def prepare(
-    collect: Callable[[], Collected],
+    grads: Any,
     max_norm: Any,
+    backend: Backend = NUMPY,
+    replicated: Any = None,
     *,
     rank: int,
     size: int,
@@ -57,52 +162,27 @@ def prepare(
     inplace: bool = False,
     reproducible: bool = False,
     error_if_nonfinite: bool = False,
-    counting: Callable[[Sequence[Any] | None, Sequence[Any]], engine.Counting] | None = None,
+    counting: Callable[[Any, Sequence[Any] | None, Sequence[Any]], engine.Counting] | None = None,
 ) -> Call:
     """Check every argument; an error is kept, to be agreed on by all ranks.
 
     The fingerprint that ranks compare holds the checked scalar values (1 and
     1.0 are the same limit); what each group of ranks holds in common is
-    checked by the layout's ring sums (see ``layout``). ``counting(entries, arrays)``
-    replaces ``layout.counting`` where a front end reads more than ``replicated=``
-    (gclip.torch: DTensor placements).
+    checked by the layout's ring sums (see ``layout``).
     """
     spec, limit = _FALLBACK_SPEC, math.nan  # kept if an argument is refused
     try:
         spec, limit = settings(steps, norm_type, max_norm, bool(reproducible), bool(error_if_nonfinite))
-        given, arrays, entries = collect()
-        counted = (
-            layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
-            if counting is None
-            else counting(entries, arrays)
-        )
+        given, arrays, entries = backend.read(grads, replicated, inplace)
+        if counting is not None:
+            counted = counting(given, entries, arrays)
+        elif entries is None:  # no replicated=: every array is this rank's
+            counted = engine.EVERY_ARRAY
+        else:
+            counted = layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
     except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
         return Call(None, (), spec, limit, bool(error_if_nonfinite), inplace, engine.EVERY_ARRAY, exc)
     return Call(given, arrays, spec, limit, bool(error_if_nonfinite), inplace, counted, None)
-
-
-def entries_of(replicated: Any, what: str) -> Sequence[Any]:
-    """``replicated=`` as a sequence, or a one-line error."""
-    if isinstance(replicated, (str, bytes)) or not hasattr(replicated, "__len__"):
-        raise GclipTypeError(
-            f"replicated must be a list with one entry per {what}, got {type(replicated).__name__}"
-        )
-    entries: Sequence[Any] = replicated
-    return entries
-
-
-def program(call: Call, rank: int, size: int, backend: Any = partials) -> engine.Program:
-    """The engine's program for this call, on ``backend`` (where the arrays live)."""
-    return engine.norm_program(
-        call.arrays,
-        call.spec,
-        rank=rank,
-        size=size,
-        counting=call.counting,
-        refused=call.error,
-        error_if_nonfinite=call.error_if_nonfinite,
-        backend=backend,
-    )
 
 
 def settings(

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from . import _kernels, _validate, call, engine, partials, policy
+from . import _validate, call, engine, policy
 from .comm import Comm
 from .errors import GclipValueError
 
@@ -50,36 +50,7 @@ class ClipResult(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# one rank's call, through the call layer (``gclip.call``)
-
-
-def _prepare(
-    grads: Any, max_norm: Any, *, replicated: Sequence[Any] | None = None, **settings: Any
-) -> call.Call:
-    inplace = settings.get("inplace", False)
-
-    def collect() -> call.Collected:
-        given = _validate.grads(grads, inplace)
-        entries = (
-            None
-            if replicated is None
-            else given.per_array(call.entries_of(replicated, "array"), "replicated")
-        )
-        return given, given.arrays, entries
-
-    return call.prepare(collect, max_norm, **settings)
-
-
-def _finish(checked: call.Call, info: engine.NormInfo) -> ClipResult:
-    """The scale, applied. A non-finite norm was already raised on every rank if asked."""
-    norm = info.norm
-    scale = checked.spec.steps.scale(norm, checked.limit)
-    out = _scaled(checked.given, scale, checked.inplace)
-    return ClipResult(out, norm, scale, math.isfinite(norm), info.local_norm, info.local_power)
-
-
-# ---------------------------------------------------------------------------
-# the API
+# the API: each call a program of the call layer (``gclip.call``), run by its driver
 
 
 def global_norm(
@@ -119,11 +90,8 @@ def global_norm(
 
 def norm_by(steps: engine.Steps, grads: Any, *, comm: Any = None, **settings: Any) -> float:
     """:func:`global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    comm = _validate.communicator(comm)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    checked = _prepare(grads, call.NO_LIMIT, rank=rank, size=size, comm=comm, steps=steps, **settings)
-    program = call.program(checked, rank, size)
-    return engine.run_mpi(program, comm).norm
+    mpi = engine.Mpi(_validate.communicator(comm))
+    return call.run(grads, call.NO_LIMIT, mpi, comm=mpi.comm, steps=steps, **settings).info.norm
 
 
 def clip_by_global_norm(
@@ -172,12 +140,12 @@ def clip_by(
     steps: engine.Steps, grads: Any, max_norm: float, *, comm: Any = None, **settings: Any
 ) -> ClipResult:
     """:func:`clip_by_global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    comm = _validate.communicator(comm)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    checked = _prepare(grads, max_norm, rank=rank, size=size, comm=comm, steps=steps, **settings)
-    program = call.program(checked, rank, size)
-    info = engine.run_mpi(program, comm)
-    return _finish(checked, info)
+    mpi = engine.Mpi(_validate.communicator(comm))
+    done = call.run(grads, max_norm, mpi, comm=mpi.comm, steps=steps, **settings)
+    info = done.info
+    return ClipResult(
+        done.grads, info.norm, done.scale, math.isfinite(info.norm), info.local_norm, info.local_power
+    )
 
 
 def clip_simulated(
@@ -221,8 +189,8 @@ def clip_simulated_by(
     )
     if per_rank and len(replicated) != size:
         raise GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
-    checked = [
-        _prepare(
+    programs = [
+        call.program(
             g,
             max_norm,
             rank=r,
@@ -233,8 +201,14 @@ def clip_simulated_by(
         )
         for r, g in enumerate(ranks)
     ]
-    infos = engine.run_simulated([call.program(c, r, size) for r, c in enumerate(checked)])
-    return [_finish(c, i) for c, i in zip(checked, infos)]
+    return [_result(done) for done in engine.run_simulated(programs)]
+
+
+def _result(done: call.Done) -> ClipResult:
+    info = done.info
+    return ClipResult(
+        done.grads, info.norm, done.scale, math.isfinite(info.norm), info.local_norm, info.local_power
+    )
 
 
 def clip_scale(total_norm: float, max_norm: float) -> float:
@@ -287,54 +261,4 @@ def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
     the very objects given come back; an array given twice is scaled once.
     Returns the layout given (a tuple stays a tuple).
     """
-    s = _validate.scale(scale)
-    return _scaled(_validate.grads(grads, inplace), s, inplace)
-
-
-def _scaled(given: _validate.Grads, scale: float, inplace: bool) -> Any:
-    if inplace:
-        if scale != 1.0:  # exactly 1: nothing to do, not even a read
-            rest: Sequence[np.ndarray] = given.arrays
-            if len(rest) >= _kernels.MANY:
-                rest = _multiply_many(given.arrays, scale)
-            for a in rest:
-                _multiply(a, scale, a)
-        return given.as_given()
-    out = []
-    for a in given.arrays:
-        b = np.empty_like(a)
-        if scale == 1.0:
-            np.copyto(b, a)
-        else:
-            _multiply(a, scale, b)
-        out.append(b)
-    return given.rebuild(out)
-
-
-def _multiply(src: np.ndarray, scale: float, dst: np.ndarray) -> None:
-    """dst = src * scale in src's dtype, one pass, no full-size temporary.
-
-    float64: the plain product. float32: the scale rounded toward zero to
-    float32, then one float32 multiply: the scale's rounding never lifts a
-    value, so each result is at most half an ulp above the exact product (the
-    product's own rounding) and less than 2**-23 + 2**-24 below it, relative;
-    the clipped norm is at most limit * (1 + 2**-24). float16: computed in
-    float64 and rounded once (an 11-bit scale would be off by up to 5e-4).
-    """
-    if src.dtype.itemsize == 8:
-        np.multiply(src, scale, out=dst)
-    elif src.dtype.itemsize == 4:
-        np.multiply(src, policy.float32_toward_zero(scale), out=dst)
-    else:
-        np.multiply(src, scale, out=dst, dtype=np.float64, casting="same_kind")
-
-
-def _multiply_many(arrays: list[np.ndarray], scale: float) -> Sequence[np.ndarray]:
-    """Scales in place, in one compiled call, the arrays the kernels take (as
-    :func:`_multiply` would); returns the others."""
-    kernels = _kernels.get()
-    table = kernels.table_for(arrays, writable=True) if kernels is not None else None
-    if kernels is None or table is None or not table.compiled:
-        return arrays
-    kernels.scale(table, scale, policy.float32_toward_zero(scale))
-    return partials.left_to_numpy(arrays, table)
+    return _validate.grads(grads, inplace).scaled(_validate.scale(scale), inplace)

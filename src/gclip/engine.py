@@ -5,14 +5,15 @@ it needs (:class:`Reduce`, :class:`Gather`) and receives their results. Two
 drivers run it:
 
 - :func:`drive` on one real rank, given its all-reduce and all-gather:
-  :func:`run_mpi` gives it mpi4py's (one buffer-based ``Allreduce`` per
-  ``Reduce``), ``gclip.torch`` gives it torch.distributed's;
+  :func:`run_mpi` (the :class:`Mpi` driver) gives it mpi4py's (one buffer-based
+  ``Allreduce`` per ``Reduce``), ``gclip.torch`` gives it torch.distributed's;
 - :func:`run_simulated` for R simulated ranks in one process (the judge, the
   seed contract and the unit tests), combining the R yields in lockstep.
 
-The steps of a program (local, combine, finish, scale) are those of a
-:class:`Steps`: the core runs :data:`CORRECT`, and the lab's gallery replaces
-steps through this hook to run its bugs, the very same code on both drivers.
+The steps of a program (local, combine, finish, scale) are this module's own
+functions, the correct clip; :class:`Steps` is the hook where a caller replaces
+some of them. The core runs :data:`CORRECT`, which replaces none; the lab's
+gallery installs its bugs through the hook, the very same code on both drivers.
 Every program starts with the same fixed-size SUM all-reduce, the
 *header*: it carries this rank's error flag, a fingerprint of its arguments,
 its element count and (for finite p) its whole sum of |x|**p. So in the default
@@ -32,11 +33,11 @@ import math
 import zlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import partials, policy
+from . import partials
 from .comm import Comm
 from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
 
@@ -47,15 +48,18 @@ __all__ = [
     "Counting",
     "Gather",
     "Local",
+    "Mpi",
     "NormInfo",
     "NormOp",
     "Program",
     "Reduce",
     "Spec",
     "Steps",
+    "combine",
     "counted",
     "drive",
     "local_norm",
+    "local_partials",
     "norm_program",
     "rescued",
     "run_mpi",
@@ -84,6 +88,7 @@ class Gather(NamedTuple):
 
 
 Program = Generator["Reduce | Gather", Any, "NormInfo"]
+T = TypeVar("T")
 # a step of a program: it yields collectives, is sent their results, returns a T
 Step = Generator["Reduce | Gather", Any, Any]
 
@@ -132,48 +137,29 @@ class Local(NamedTuple):
 _REFUSED = Local()  # what a rank whose arguments were refused brings to the header
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap key for the call's settings cache
 class Steps:
-    """The clip's steps, correct: local -> combine -> finish -> scale.
+    """The hook: the steps of the clip (local -> combine -> finish -> scale) that a caller replaces.
 
-    This is the hook where a step can be replaced: a subclass overrides a
-    method and the engine runs it in place of the correct one, on real and on
-    simulated ranks alike. The core itself only ever runs :data:`CORRECT`; the
-    lab's gallery (``gclip.gallery``) installs its bugs this way. ``name`` is
-    part of the fingerprint the ranks compare, so all must run the same steps.
+    Each field left None is the engine's own, correct step: the plain function of this
+    module of the same name (:func:`local_partials`, :func:`combine`; ``scale`` is
+    ``policy.scale``); a callable there runs in its place, on real and simulated ranks
+    alike. The core only ever runs :data:`CORRECT`, which replaces nothing; the lab's
+    gallery (``gclip.gallery``) installs its bugs this way. ``name`` is part of the
+    fingerprint the ranks compare, so all must run the same steps.
     """
 
-    name: str
-    per_rank = False  # True: each rank clips by its own norm (a non-finite one is this rank's own)
-
-    def __init__(self, name: str = "global") -> None:
-        self.name = name
-
-    def local(self, arrays: Sequence[Any], spec: Spec, owned: Sequence[bool] | None, backend: Any) -> Local:
-        """This rank's partial: its sum of |x|**p (max |x| for inf), or its binned digits."""
-        return _local(counted(arrays, owned), spec, backend)
-
-    def in_header(self, rank: int) -> bool:
-        """Does this rank's power sum enter the header's SUM?"""
-        return True
-
-    def header_suffices(self, local: Local, spec: Spec, total: list[float]) -> bool:
-        """The header's SUM is the whole answer: no digits, no rescue, a finite p."""
-        return local.part is None and not total[_RESCUE] and not math.isinf(spec.norm_type)
-
-    def combine(self, local: Local, spec: Spec, rank: int, total: list[float]) -> Step:
-        """The second collective, where the header does not suffice:
-        (the norm, the power sum as (mant, exp) if known)."""
-        return _combine(local, spec, total, self.in_header(rank))
-
-    def finish(
-        self, norm: float, *, p: float, count: int, ranks: int, power: tuple[float, int] | None
-    ) -> float:
-        """The combined norm -> the norm the clip scales by."""
-        return norm
-
-    def scale(self, norm: float, max_norm: float) -> float:
-        """The factor applied (the scale rule, ``gclip.policy``)."""
-        return policy.scale(norm, max_norm)
+    name: str = "global"
+    per_rank: bool = False  # True: each rank clips by its own norm (a non-finite one is this rank's own)
+    # (arrays, spec, owned, backend) -> Local: this rank's partial, from all its arrays and ``owned``
+    local_partials: Callable[[Sequence[Any], Spec, Sequence[bool] | None, Any], Local] | None = None
+    in_header: Callable[[int], bool] | None = None  # (rank) -> does its power sum enter the header's SUM?
+    # (local, spec, rank, total) -> (norm, power as (mant, exp) or None), from the header's sums
+    # or a second collective
+    combine: Callable[[Local, Spec, int, list[float]], Step] | None = None
+    # (norm, *, p, count, ranks, power) -> the norm the clip scales by
+    finish: Callable[..., float] | None = None
+    scale: Callable[[float, float], float] | None = None  # (norm, max_norm) -> the factor applied
 
 
 CORRECT = Steps()
@@ -252,17 +238,21 @@ def norm_program(
     ``partials`` module for numpy arrays (the default), or a module with the
     same functions for other arrays (``gclip._torch_partials``, on the tensor's device).
     """
-    steps = spec.steps
+    hook = spec.steps
     error: BaseException | None = refused
     local = _REFUSED
     if error is None:
         try:
-            local = steps.local(arrays, spec, counting.owned, backend)
+            if hook.local_partials is None:
+                mine = counted(arrays, counting.owned)
+                local = local_partials(mine, spec, backend)
+            else:
+                local = hook.local_partials(arrays, spec, counting.owned, backend)
         except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
             error = exc
 
     h1, h2 = spec.fingerprint
-    in_header = steps.in_header(rank)
+    in_header = hook.in_header is None or hook.in_header(rank)
     header = np.array(  # floats only: numpy builds it fastest
         [
             1.0 if error is not None else 0.0,
@@ -283,18 +273,18 @@ def norm_program(
     if total[_ERROR] or mismatch or disagree:
         yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
 
-    if steps.header_suffices(local, spec, total):  # the default L2 path: the header was the one collective
-        norm, power = partials.root(total[_SUM], 0, spec.norm_type), (total[_SUM], 0)
+    if hook.combine is None:  # the correct combine (the default L2 path: the header's sum alone)
+        norm, power = yield from combine(local, spec, total, in_header)
     else:
-        norm, power = yield from steps.combine(local, spec, rank, total)
-    if steps is not CORRECT:  # a replaced finish (the gallery's rms, mean...)
-        norm = steps.finish(norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
+        norm, power = yield from hook.combine(local, spec, rank, total)
+    if hook.finish is not None:  # a replaced finish (the gallery's rms, mean...)
+        norm = hook.finish(norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
     if error_if_nonfinite:
         # decided on what every rank knows: the global norm, or (each rank its own) the header's flag
-        bad = total[_NONFINITE] > 0 if steps.per_rank else not math.isfinite(norm)
+        bad = total[_NONFINITE] > 0 if hook.per_rank else not math.isfinite(norm)
         if bad:
             holders = yield Gather(not math.isfinite(local.norm))
-            raise _nonfinite_error(spec, norm, holders, steps.per_rank)
+            raise _nonfinite_error(spec, norm, holders, hook.per_rank)
     return NormInfo(norm, local.norm, local.power)
 
 
@@ -310,7 +300,9 @@ def _nonfinite_error(spec: Spec, norm: float, holders: list[bool], per_rank: boo
     return NonFiniteNormError(f"{what} ({where}; error_if_nonfinite=True)")
 
 
-def _local(counted: Sequence[Any], spec: Spec, backend: Any) -> Local:
+def local_partials(counted: Sequence[Any], spec: Spec, backend: Any) -> Local:
+    """The correct local step: the partial of the arrays this rank counts, its sum of
+    |x|**p (max |x| for inf), or its binned digits (reproducible)."""
     p = spec.norm_type
     count = backend.count(counted)
     if math.isinf(p):
@@ -350,27 +342,32 @@ def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch
     raise GclipValueError(explain([summary for _, _, summary in reports]))
 
 
-def _combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
-    """The second collective: (the norm, the power sum as (mant, exp) if known).
+def combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
+    """The correct combine: (the norm, the power sum as (mant, exp) if known). The header's
+    SUM is the whole answer where there are no digits, no rescue and a finite p (the default
+    L2 path: no second collective); else a second collective brings it.
 
     ``shares``: this rank's partial enters it (else it brings the neutral value).
     """
     p = spec.norm_type
-
-    def contribution(vec: list[float], fill: float = 0.0) -> np.ndarray:
-        return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
-
     if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
-        got = yield Reduce(contribution([local.power, float(local.nan)], -1.0), NormOp.MAX)
+        got = yield Reduce(_part([local.power, float(local.nan)], -1.0, shares=shares), NormOp.MAX)
         return (math.nan if got[1] > 0 else float(got[0])), None
     if local.part is not None:  # reproducible: integer digit counts, exact in any order
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
         return binned.summary(got)
     if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
-        norm = yield from rescued(local.counted if shares else (), p, contribution, local.backend)
+        part = functools.partial(_part, shares=shares)
+        norm = yield from rescued(local.counted if shares else (), p, part, local.backend)
         return norm, None
-    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum
+    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum: the default path
+
+
+def _part(vec: list[float], fill: float = 0.0, *, shares: bool) -> np.ndarray:
+    """This rank's part of a collective: its numbers, or ``fill`` (the neutral value) where
+    its partial does not enter."""
+    return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
 
 
 def rescued(
@@ -446,12 +443,13 @@ def _ldexp(mant: float, exp: int) -> float:
 
 
 def drive(
-    program: Program,
+    program: Generator[Reduce | Gather, Any, T],
     all_reduce: Callable[[np.ndarray, NormOp], np.ndarray],
     all_gather: Callable[[Any], list[Any]],
-) -> NormInfo:
+) -> T:
     """Run a program on one rank: each Reduce through ``all_reduce(data, op)``, each Gather
-    through ``all_gather(item)`` (a driver: MPI here, torch.distributed in ``gclip.torch``)."""
+    through ``all_gather(item)`` (a driver: MPI here, torch.distributed in ``gclip.torch``).
+    Returns what the program returns (a NormInfo; ``gclip.call``'s programs: the call's result)."""
     try:
         request = next(program)
         while True:
@@ -460,20 +458,31 @@ def drive(
             else:
                 request = program.send(all_gather(request.item))  # type: ignore[union-attr]
     except StopIteration as done:
-        info: NormInfo = done.value
-        return info
+        result: T = done.value
+        return result
 
 
-def run_mpi(program: Program, comm: Comm) -> NormInfo:
-    """Run a program on this rank of ``comm`` (mpi4py)."""
-    MPI = _mpi()
+class Mpi:
+    """The MPI driver: runs programs on this rank of an mpi4py communicator, one buffer-based
+    ``Allreduce`` per ``Reduce``."""
 
-    def all_reduce(data: np.ndarray, op: NormOp) -> np.ndarray:
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def run(self, program: Generator[Reduce | Gather, Any, T]) -> T:
+        return drive(program, self._all_reduce, self.comm.allgather)
+
+    def _all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
+        MPI = _mpi()
         out = np.empty(data.size)
-        comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
+        self.comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
         return out
 
-    return drive(program, all_reduce, comm.allgather)
+
+def run_mpi(program: Generator[Reduce | Gather, Any, T], comm: Comm) -> T:
+    """Run a program on this rank of ``comm`` (mpi4py)."""
+    return Mpi(comm).run(program)
 
 
 @functools.lru_cache(maxsize=1)
@@ -484,7 +493,7 @@ def _mpi() -> Any:
     return MPI
 
 
-def run_simulated(programs: Sequence[Program]) -> list[NormInfo]:
+def run_simulated(programs: Sequence[Generator[Reduce | Gather, Any, T]]) -> list[T]:
     """Run R programs in lockstep, as R ranks would, in one process."""
     results: list[Any] = [None] * len(programs)
     requests: list[Any] = []

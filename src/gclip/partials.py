@@ -12,6 +12,7 @@ judge and the unit tests (see ``engine``).
   engine takes the two-pass scaled route,
   :func:`max_abs` and :func:`scaled_power_sum`, as LAPACK's dnrm2 would.
 - :func:`max_abs`: the inf-norm's local part.
+- :func:`scale`: the clip's factor, applied to each array in its own dtype.
 - :class:`BinnedPowerSum`: the reproducible mode. Values are cut into digits on
   a fixed grid of bins (ReproBLAS-style); digit counts are integers, so ranks
   combine them exactly and the result has the same bits for any layout.
@@ -25,7 +26,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, policy
 
 __all__ = [
     "BLOCK",
@@ -41,6 +42,7 @@ __all__ = [
     "needs_rescue",
     "power_sum",
     "root",
+    "scale",
     "scaled_power_sum",
 ]
 
@@ -280,6 +282,58 @@ def root(mant: float, exp: int, p: float) -> float:
         return math.ldexp(r, exp)
     except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
         return math.inf
+
+
+def scale(arrays: Sequence[np.ndarray], factor: float, inplace: bool) -> Sequence[np.ndarray]:
+    """The arrays multiplied by ``factor`` (finite, >= 0), each in its own dtype: in place
+    (the very arrays come back; a factor of exactly 1 touches nothing, not even a read),
+    or into new arrays of the same dtypes (see :func:`_multiply`)."""
+    if inplace:
+        if factor != 1.0:
+            rest: Sequence[np.ndarray] = arrays
+            if len(rest) >= _kernels.MANY:
+                rest = _multiply_many(arrays, factor)
+            for a in rest:
+                _multiply(a, factor, a)
+        return arrays
+    out = []
+    for a in arrays:
+        b = np.empty_like(a)
+        if factor == 1.0:
+            np.copyto(b, a)
+        else:
+            _multiply(a, factor, b)
+        out.append(b)
+    return out
+
+
+def _multiply(src: np.ndarray, factor: float, dst: np.ndarray) -> None:
+    """dst = src * factor in src's dtype, one pass, no full-size temporary.
+
+    float64: the plain product. float32: the factor rounded toward zero to
+    float32, then one float32 multiply: the factor's rounding never lifts a
+    value, so each result is at most half an ulp above the exact product (the
+    product's own rounding) and less than 2**-23 + 2**-24 below it, relative;
+    the clipped norm is at most limit * (1 + 2**-24). float16: computed in
+    float64 and rounded once (an 11-bit factor would be off by up to 5e-4).
+    """
+    if src.dtype.itemsize == 8:
+        np.multiply(src, factor, out=dst)
+    elif src.dtype.itemsize == 4:
+        np.multiply(src, policy.float32_toward_zero(factor), out=dst)
+    else:
+        np.multiply(src, factor, out=dst, dtype=np.float64, casting="same_kind")
+
+
+def _multiply_many(arrays: Sequence[np.ndarray], factor: float) -> Sequence[np.ndarray]:
+    """Scales in place, in one compiled call, the arrays the kernels take (as
+    :func:`_multiply` would); returns the others."""
+    kernels = _kernels.get()
+    table = kernels.table_for(arrays, writable=True) if kernels is not None else None
+    if kernels is None or table is None or not table.compiled:
+        return arrays
+    kernels.scale(table, factor, policy.float32_toward_zero(factor))
+    return left_to_numpy(arrays, table)
 
 
 _EXTRACTOR = 1.5 * 2.0**52  # (r + M) - M rounds r to an integer, for |r| < 2**51

@@ -22,7 +22,7 @@ rank, and any rank's bad input raised as the same error on every rank.
 - Partials are computed where each tensor lives (``gclip._torch_partials``):
   float64 accumulation in bounded chunks, one sync per device; only the
   header's few numbers cross to the host; the scale is applied on the device,
-  each gradient in its own dtype.
+  each gradient in its own dtype (``_torch_partials.scale``).
 - The norm comes back as a float64 0-d tensor on the first gradient's device:
   its value is the float64 global norm (torch returns the gradients' dtype).
 
@@ -31,8 +31,8 @@ See docs/torch.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +42,18 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import _dtensor, _torch_partials, _torch_replicas, _validate, call, clip, engine, layout, policy
+from . import (
+    _dtensor,
+    _torch_gradients,
+    _torch_partials,
+    _torch_replicas,
+    _validate,
+    call,
+    clip,
+    engine,
+    layout,
+)
+from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
@@ -54,22 +65,13 @@ __all__ = [
     "get_total_norm",
 ]
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 # ---------------------------------------------------------------------------
 # the communicator: mpi4py, or a torch.distributed process group
 
 
-class _Mpi:
+class _Mpi(engine.Mpi):
     """An mpi4py communicator: the engine's MPI driver."""
-
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-
-    def run(self, program: engine.Program) -> engine.NormInfo:
-        return engine.run_mpi(program, self.comm)
 
     def group(self, entry: Any, index: int) -> layout.Group:
         """A replicated= communicator as the ranks of comm it holds."""
@@ -88,7 +90,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: engine.Program) -> engine.NormInfo:
+    def run(self, program: call.Program) -> call.Done:
         return engine.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -162,203 +164,23 @@ def _mpi_world() -> Any:
 
 
 # ---------------------------------------------------------------------------
-# the gradients
-
-
-def _as_list(value: Any, name: str) -> list[Any]:
-    """A tensor -> [it]; any iterable (a generator too) read exactly once."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise GclipTypeError(f"{name} must be a tensor or an iterable of tensors, got {type(value).__name__}")
-    return list(value)
-
-
-def _checked(g: Any, where: str) -> torch.Tensor:
-    if not isinstance(g, torch.Tensor):
-        hint = " (named_parameters()? pass the parameters alone)" if isinstance(g, tuple) else ""
-        raise GclipTypeError(f"{where} must be a tensor, got {type(g).__name__}{hint}")
-    if _dtensor.is_dtensor(g):
-        _checked(_dtensor.local(g), where)  # its local tensor is what this rank holds and scales
-        return g
-    if g.layout != torch.strided:
-        raise GclipTypeError(f"{where} is a {g.layout} tensor; gclip clips dense tensors")
-    if g.dtype not in FLOAT_DTYPES:
-        raise GclipTypeError(
-            f"{where} has dtype {g.dtype}; gclip clips float16, bfloat16, float32 or float64"
-        )
-    return g
-
-
-class _Gradients(NamedTuple):
-    tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
-    entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
-    wheres: list[str]  # where it came from, for messages
-
-
-def _gradients(items: Any, replicated: Any, *, of_parameters: bool) -> _Gradients:
-    """The gradients to clip: parameters' .grad (None skipped) or the tensors themselves.
-
-    The same gradient given twice counts once and is scaled once; two that
-    overlap in memory in part are an error.
-    """
-    name = "parameters" if of_parameters else "tensors"
-    items = _as_list(items, name)
-    alone = replicated is not None and not isinstance(replicated, (list, tuple))
-    if alone:  # one entry alone (True, False, a group, a name): for every plain tensor
-        replicated = [replicated] * len(items)
-    if replicated is not None and len(replicated) != len(items):
-        raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
-    placed: dict[tuple[int, str], Any] = {}  # a DTensor's one Placed entry, however often it is given
-    picked: list[tuple[str, torch.Tensor, Any]] = []
-    for i, item in enumerate(items):
-        if of_parameters:
-            if not isinstance(item, torch.Tensor):
-                _checked(item, f"parameters[{i}]")  # raises: says what it is
-            if item.grad is None:
-                continue  # as torch: a parameter without a gradient is skipped
-            where, g = f"parameters[{i}].grad", item.grad
-        else:
-            if item is None:
-                raise GclipTypeError(f"tensors[{i}] is None: pass only the gradients that exist")
-            where, g = f"tensors[{i}]", item
-        g, entry = _checked(g, where), None if replicated is None else replicated[i]
-        if _dtensor.is_dtensor(g):  # its placements say what it holds; an entry only adds copies
-            if alone and not _dtensor._is_names(entry):
-                entry = None
-            if entry is True or (entry is not None and entry is not False and not _dtensor._is_names(entry)):
-                raise GclipTypeError(
-                    f"{where} is a DTensor: its placements say what it holds; replicated= takes, for a "
-                    f"DTensor, only mesh dimension names of copies outside its mesh, got {entry!r}"
-                )
-            key = (id(g), repr(entry))
-            if key not in placed:
-                placed[key] = _dtensor.Placed(g.device_mesh, tuple(g.placements), entry, where)
-            g, entry = _dtensor.local(g), placed[key]
-        picked.append((where, g, entry))
-    kept = _distinct(picked)
-    return _Gradients([g for _, g, _ in kept], [e for _, _, e in kept], [w for w, _, _ in kept])
-
-
-def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor, Any]]:
-    """Drop repeats of one gradient (the same tensor, or the same view of one memory);
-    refuse gradients that share memory in part. Only tensors of one storage are compared."""
-    by_memory: dict[tuple[Any, int], list[int]] = {}
-    first: dict[Any, int] = {}  # a gradient's identity -> its first position
-    repeat: dict[int, int] = {}
-    for i, (_, g, _) in enumerate(picked):
-        if id(g) in first:
-            repeat[i] = first[id(g)]
-            continue
-        first[id(g)] = i
-        if g.numel():
-            by_memory.setdefault((g.device, g.untyped_storage().data_ptr()), []).append(i)
-    for members in by_memory.values():
-        if len(members) > 1:
-            repeat.update(_same_memory(picked, members))
-    for i, j in repeat.items():
-        (where_j, _, entry_j), (where_i, _, entry_i) = picked[j], picked[i]
-        if not _validate._same_entry(entry_j, entry_i):
-            raise GclipValueError(
-                f"{where_j} and {where_i} are the same gradient but replicated gives them different "
-                f"entries ({entry_j!r}, {entry_i!r})"
-            )
-    return [item for i, item in enumerate(picked) if i not in repeat]
-
-
-def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:
-    """Among gradients of one storage: the same view -> its first; spans that overlap otherwise: an error."""
-    tensors = [g for _, g, _ in picked]
-
-    def same_view(i: int, j: int) -> bool:
-        a, b = tensors[i], tensors[j]
-        return bool(
-            a.data_ptr() == b.data_ptr()
-            and a.shape == b.shape
-            and a.stride() == b.stride()
-            and a.dtype == b.dtype
-        )
-
-    return _validate.same_memory(
-        members,
-        span=lambda i: _span(tensors[i]),
-        same_view=same_view,
-        shares=lambda i, j: True,  # spans that meet: torch cannot tell an interleaving, so refused
-        overlap=lambda lo, hi: GclipValueError(
-            f"{picked[lo][0]} and {picked[hi][0]} overlap in memory without being the same tensor: "
-            "each value must be given once"
-        ),
-    )
-
-
-def _span(g: torch.Tensor) -> tuple[int, int]:
-    """[first byte, past the last byte] of a non-empty tensor's elements."""
-    lo = hi = g.data_ptr()
-    for n, stride in zip(g.shape, g.stride()):
-        step = (n - 1) * stride * g.element_size()
-        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
-    return lo, hi + g.element_size()
-
-
-# ---------------------------------------------------------------------------
 # one rank's checked call, the norm, the scale
 
 
-def _norm(
-    comm: Any, gradients: Callable[[], _Gradients], max_norm: Any, steps: engine.Steps, **settings: Any
-) -> tuple[call.Call, float]:
-    """The checked call (through the call layer, ``gclip.call``) and the global norm of its gradients."""
+def _run(
+    items: Any, max_norm: Any, backend: call.Backend, *, comm: Any, replicated: Any, **settings: Any
+) -> torch.Tensor:
+    """One call through the call layer (``gclip.call``), run over ``comm``: the global norm as
+    torch returns it, a 0-d tensor on the first gradient's device (in float64)."""
     world = _world(comm)
 
-    wheres: list[str] = []
+    def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+        return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
-    def collect() -> call.Collected:
-        read = gradients()
-        wheres[:] = read.wheres
-        return read.tensors, read.tensors, read.entries
-
-    def counting(entries: Any, tensors: Sequence[Any]) -> engine.Counting:
-        return _dtensor.counting(world, tensors, entries, wheres)  # placements, declarations, groups
-
-    checked = call.prepare(
-        collect, max_norm, rank=world.rank, size=world.size, steps=steps, counting=counting, **settings
-    )
-    return checked, world.run(call.program(checked, world.rank, world.size, _torch_partials)).norm
-
-
-def _norm_tensor(norm: float, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The norm as torch returns it (a 0-d tensor on the first gradient's device), in float64.
-    (torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device)"""
-    return torch.full((), norm, dtype=torch.float64, device=grads[0].device if grads else "cpu")
-
-
-def _scale_(grads: Sequence[torch.Tensor], scale: float, foreach: bool | None) -> None:
-    """Multiply each gradient in place, in its own dtype, by ``scale`` rounded toward zero.
-
-    float64: the product, rounded once. float32, float16 and bfloat16: torch
-    computes in float32 with the scale rounded toward zero to float32 (never up,
-    so rounding the scale cannot lift the clipped norm above the limit), then
-    rounds each product to the gradient's dtype. The scale travels as a 0-d
-    tensor on the device, as torch's clip does: no sync, and foreach kernels keep
-    it in float32 (given as a Python float, they round it to bfloat16 on the CPU).
-    """
-    if scale == 1.0 or not grads:  # exactly 1: nothing to do, not even a read
-        return
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), group in groups.items():
-        if dtype == torch.float64:
-            factor = torch.full((), scale, dtype=torch.float64, device=device)
-        else:
-            factor = torch.full(
-                (), float(policy.float32_toward_zero(scale)), dtype=torch.float32, device=device
-            )
-        if foreach is False:
-            for g in group:
-                g.mul_(factor)
-        else:
-            torch._foreach_mul_(group, factor)
+    done = call.run(items, max_norm, world, backend, replicated=replicated, counting=counting, **settings)
+    device = done.arrays[0].device if done.arrays else "cpu"
+    # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
+    return torch.full((), done.info.norm, dtype=torch.float64, device=device)
 
 
 # ---------------------------------------------------------------------------
@@ -394,16 +216,16 @@ def get_total_norm(
             ``gclip._dtensor``). Required for plain tensors on more than one rank.
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
     """
-    checked, norm = _norm(
-        comm,
-        lambda: _gradients(tensors, replicated, of_parameters=False),
+    return _run(
+        tensors,
         call.NO_LIMIT,
-        engine.CORRECT,
+        _torch_gradients.backend(False, None),
+        comm=comm,
+        replicated=replicated,
         norm_type=norm_type,
         reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
     )
-    return _norm_tensor(norm, checked.arrays)
 
 
 @torch.no_grad()
@@ -420,8 +242,8 @@ def clip_grads_with_norm_(
     communication; pass the global norm from :func:`get_total_norm`.
     """
     scale = clip.clip_scale(total_norm, max_norm)
-    grads = _gradients(parameters, None, of_parameters=True).tensors
-    _scale_(grads, scale, foreach)
+    grads = _torch_gradients.gradients(parameters, None, of_parameters=True).tensors
+    _torch_partials.scale(grads, scale, foreach)
 
 
 @torch.no_grad()
@@ -482,10 +304,10 @@ def clip_grad_norm_by(
     **settings: Any,
 ) -> torch.Tensor:
     """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    gradients = lambda: _gradients(parameters, replicated, of_parameters=True)  # noqa: E731
-    checked, norm = _norm(comm, gradients, max_norm, steps, **settings)
-    _scale_(checked.arrays, checked.spec.steps.scale(norm, checked.limit), foreach)
-    return _norm_tensor(norm, checked.arrays)
+    backend = _torch_gradients.backend(True, foreach)
+    return _run(
+        parameters, max_norm, backend, comm=comm, replicated=replicated, steps=steps, inplace=True, **settings
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -509,7 +331,7 @@ def explain(
     share of the global norm**p. A diagnostic (it gathers every rank's list).
     """
     world = _world(comm)
-    collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    collect = lambda: _torch_gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
     return _torch_replicas.explain(world, collect, names, norm_type)
 
 
@@ -528,7 +350,7 @@ def check_replicas(
     differs (a crc32 per tensor is gathered: a diagnostic, not for every step).
     """
     world = _world(comm)
-    collect = lambda: _gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    collect = lambda: _torch_gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
     _torch_replicas.check_replicas(world, collect, names)
 
 

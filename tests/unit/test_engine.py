@@ -164,3 +164,26 @@ def test_local_norm_is_right_where_the_plain_sum_is_not():
         assert rescue is rescued, values
         if not rescued:
             assert power == math.fsum(v * v for v in values)
+
+
+def test_the_hook_runs_a_replaced_step_in_place_of_the_engines_own():
+    assert all(
+        getattr(engine.CORRECT, step) is None
+        for step in ("local_partials", "in_header", "combine", "finish", "scale")
+    )
+    doubled = engine.Steps("doubled", finish=lambda norm, **_: 2.0 * norm)
+    progs = [
+        engine.norm_program([np.array(s)], engine.Spec(hook, 2.0, False), rank=r, size=2)
+        for hook in (engine.CORRECT, doubled)
+        for r, s in enumerate(([3.0], [4.0]))
+    ]
+    correct, _ = lockstep(progs[:2])
+    replaced, _ = lockstep(progs[2:])
+    assert [i.norm for i in correct] == [5.0, 5.0]
+    assert [i.norm for i in replaced] == [10.0, 10.0]  # the replaced finish, on every rank
+    mixed = [
+        engine.norm_program([np.ones(1)], engine.Spec(hook, 2.0, False), rank=r, size=2)
+        for r, hook in enumerate((engine.CORRECT, doubled))
+    ]
+    outcome, _ = lockstep(mixed)
+    assert all(isinstance(e, GclipError) for e in outcome)  # different steps: the fingerprints differ

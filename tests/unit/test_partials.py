@@ -103,3 +103,29 @@ def test_half_power_sum_overflows_as_float16_does():
     """The gallery's fp16 bug: accumulated in float16, 300**2 > 65504 is inf."""
     assert partials.half_power_sum([np.array([300.0])], 2.0) == math.inf
     assert partials.half_power_sum([np.array([3.0, 4.0])], 2.0) == 25.0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(40) * 100).astype(dtype)
+    factor = 1.0 / 3.0
+    out = partials.scale([x], factor, inplace=False)[0]
+    assert out.dtype == x.dtype and out is not x
+    for v, got in zip(x.tolist(), out.tolist()):
+        exact = Fraction(v) * Fraction(factor)
+        half_ulp = Fraction(float(np.finfo(dtype).eps)) / 2  # the product's own rounding, no more
+        assert abs(Fraction(got)) <= abs(exact) * (1 + half_ulp)
+        if dtype == np.float64:
+            assert got == float(exact)  # the plain product, rounded once
+
+
+def test_scale_in_place_gives_back_the_very_arrays_and_one_touches_nothing():
+    x = np.array([0.1, np.nan, -0.0], dtype=np.float32)
+    before = x.tobytes()
+    assert partials.scale([x], 1.0, inplace=True)[0] is x and x.tobytes() == before
+    copy = partials.scale([x], 1.0, inplace=False)[0]
+    assert copy is not x and copy.tobytes() == before
+    many = [np.full(3, 2.0, dtype=np.float32) for _ in range(40)]  # the compiled path (>= MANY arrays)
+    out = partials.scale(many, 0.5, inplace=True)
+    assert out is many and all(np.array_equal(a, np.ones(3)) for a in many)

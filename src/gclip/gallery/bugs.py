@@ -1,7 +1,8 @@
 """The gallery of bugs: how a global-norm clip goes wrong, each with where it was seen.
 
-Each bug is the correct clip (``gclip.engine.Steps``: local -> combine ->
-finish -> scale) with some steps replaced through the engine's hook. A bug
+Each bug is the correct clip (local -> combine -> finish -> scale) with some
+steps replaced through the engine's hook (``Strategy.steps``, a
+``gclip.engine.Steps``). A bug
 departs from the correct one in the fields that make one idea (typed, so a
 typo is an error, not a new behaviour):
 
@@ -37,6 +38,7 @@ wrong moment) are here too.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -95,7 +97,7 @@ def exact_norm(norm: float, **_: object) -> float:
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap key for the clip's settings cache
-class Strategy(engine.Steps):
+class Strategy:
     name: str
     summary: str
     incident: str = ""
@@ -127,45 +129,50 @@ class Strategy(engine.Steps):
     def correct(self) -> bool:
         return self.name == "global"
 
+    @functools.cached_property  # one Steps per strategy: the clip's settings cache keys on it
+    def steps(self) -> engine.Steps:
+        """This bug installed in the engine's hook: the steps where it departs from the correct clip."""
+        return engine.Steps(
+            self.name,
+            per_rank=self.scope is Scope.SELF,
+            local_partials=self._local,
+            in_header=self._in_header,
+            combine=self._combine,
+            finish=None if self.finish_norm is exact_norm and self.total_dtype == "float64" else self._finish,
+            scale=self.scale,
+        )
+
     # -- the engine's steps, replaced where this bug departs from the correct clip
 
-    @property
-    def per_rank(self) -> bool:  # type: ignore[override]
-        return self.scope is Scope.SELF
-
-    def local(
+    def _local(
         self, arrays: Sequence[Any], spec: engine.Spec, owned: Sequence[bool] | None, backend: Any
     ) -> engine.Local:
         if self.count_replicated or self.scope is Scope.SELF:
             owned = None  # every copy counted
+        counted = engine.counted(arrays, owned)
         if self.accumulate is Accumulate.FLOAT16 and not math.isinf(spec.norm_type):  # even when reproducible
-            counted, p = engine.counted(arrays, owned), spec.norm_type
+            p = spec.norm_type
             power = backend.half_power_sum(counted, p)
             return engine.Local(
                 counted, backend.count(counted), power, norm=partials.root(power, 0, p), backend=backend
             )
-        return super().local(arrays, spec, owned, backend)
+        return engine.local_partials(counted, spec, backend)
 
     def _shares(self, rank: int) -> bool:
         """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
         return self.scope is Scope.ALL or (self.scope is Scope.ROOT and rank == 0)
 
-    def in_header(self, rank: int) -> bool:
+    def _in_header(self, rank: int) -> bool:
         return self.share is Share.POWER and self._shares(rank)
 
-    def header_suffices(self, local: engine.Local, spec: engine.Spec, total: list[float]) -> bool:
-        return (
-            self.scope is Scope.ALL
-            and self.share is Share.POWER
-            and super().header_suffices(local, spec, total)
-        )
-
-    def combine(self, local: engine.Local, spec: engine.Spec, rank: int, total: list[float]) -> Generator:
+    def _combine(self, local: engine.Local, spec: engine.Spec, rank: int, total: list[float]) -> Generator:
+        """Only every rank's sums of |x|**p combine as the correct clip does (with the
+        header's SUM the whole answer on the default path)."""
         if self.scope is Scope.SELF:  # no other rank is asked
             return _answered((local.norm, (local.power, 0)))
         if self.share is Share.NORM:  # the norm-sharing bugs: local norms combined
             return self._norms_combined(local, rank)
-        return super().combine(local, spec, rank, total)
+        return engine.combine(local, spec, total, self._in_header(rank))
 
     def _norms_combined(self, local: engine.Local, rank: int) -> Generator:
         nan = math.isnan(local.norm)  # as a flag: MPI's MAX may drop a NaN
@@ -173,7 +180,7 @@ class Strategy(engine.Steps):
         got = yield engine.Reduce(np.array(mine, dtype=np.float64), self.norm_op)
         return (math.nan if got[1] > 0 else float(got[0])), None
 
-    def finish(
+    def _finish(
         self, norm: float, *, p: float, count: int, ranks: int, power: tuple[float, int] | None = None
     ) -> float:
         if self.total_dtype != "float64" and math.isfinite(norm) and math.isfinite(p):
@@ -537,25 +544,17 @@ def _unknown(name: Any) -> str:
 
 
 def steps_for(name: Any) -> engine.Steps:
-    """The steps to run for ``name``: its strategy, or steps that refuse to run,
-    so that an unknown name is an error raised on every rank together."""
+    """The steps to run for ``name``: its strategy's, or steps whose local step refuses (before
+    the header), so that an unknown name is an error raised on every rank together."""
     try:
-        return STRATEGIES[name]
+        return STRATEGIES[name].steps
     except (KeyError, TypeError):
-        return _Unknown(name)
+        message = _unknown(name)
 
+    def refuse(arrays: Sequence[Any], spec: engine.Spec, owned: Any, backend: Any) -> engine.Local:
+        raise GclipValueError(message)
 
-class _Unknown(engine.Steps):
-    """No strategy has this name: the local step raises (before the header, so it is agreed)."""
-
-    def __init__(self, name: Any) -> None:
-        super().__init__("unknown")
-        self._message = _unknown(name)
-
-    def local(
-        self, arrays: Sequence[Any], spec: engine.Spec, owned: Sequence[bool] | None, backend: Any
-    ) -> engine.Local:
-        raise GclipValueError(self._message)
+    return engine.Steps("unknown", local_partials=refuse)
 
 
 # ---------------------------------------------------------------------------

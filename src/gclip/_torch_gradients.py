@@ -1,0 +1,178 @@
+"""The gradients that ``gclip.torch`` clips, read for the call layer (``gclip.call``).
+
+A parameter's ``.grad`` (None skipped, as torch does) or a tensor itself; a
+DTensor as its local tensor and the entry its placements imply (``gclip._dtensor``).
+The same gradient given twice counts and is scaled once; two that overlap in memory
+in part are an error. :func:`backend`'s reader gives back :class:`Gradients`, which
+scale themselves in place (``_torch_partials.scale``): the torch backend, whole.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _dtensor, _torch_partials, _validate, call
+from .errors import GclipTypeError, GclipValueError
+
+__all__ = ["FLOAT_DTYPES", "Gradients", "backend", "gradients"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    """A tensor -> [it]; any iterable (a generator too) read exactly once."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise GclipTypeError(f"{name} must be a tensor or an iterable of tensors, got {type(value).__name__}")
+    return list(value)
+
+
+def _checked(g: Any, where: str) -> torch.Tensor:
+    if not isinstance(g, torch.Tensor):
+        hint = " (named_parameters()? pass the parameters alone)" if isinstance(g, tuple) else ""
+        raise GclipTypeError(f"{where} must be a tensor, got {type(g).__name__}{hint}")
+    if _dtensor.is_dtensor(g):
+        _checked(_dtensor.local(g), where)  # its local tensor is what this rank holds and scales
+        return g
+    if g.layout != torch.strided:
+        raise GclipTypeError(f"{where} is a {g.layout} tensor; gclip clips dense tensors")
+    if g.dtype not in FLOAT_DTYPES:
+        raise GclipTypeError(
+            f"{where} has dtype {g.dtype}; gclip clips float16, bfloat16, float32 or float64"
+        )
+    return g
+
+
+class Gradients(NamedTuple):
+    """The gradients read for one call (the call layer's ``given``, see ``gclip.call``)."""
+
+    tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
+    entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
+    wheres: list[str]  # where it came from, for messages
+    foreach: bool | None = None  # how the factor is applied: False, tensor by tensor
+
+    def scaled(self, factor: float, inplace: bool) -> None:
+        """Each gradient multiplied in place by ``factor`` (torch's clip is always in place)."""
+        _torch_partials.scale(self.tensors, factor, self.foreach)
+
+
+def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, foreach: bool | None) -> Any:
+    """The call layer's reader for tensors: (the gradients, each distinct one once, their entries)."""
+    read = gradients(items, replicated, of_parameters=of_parameters)._replace(foreach=foreach)
+    return read, read.tensors, read.entries
+
+
+@functools.cache
+def backend(of_parameters: bool, foreach: bool | None) -> call.Backend:
+    """Tensors as the call layer reads them (parameters' .grad, or the tensors themselves)."""
+    read = functools.partial(_read, of_parameters=of_parameters, foreach=foreach)
+    return call.Backend(read, _torch_partials)
+
+
+def gradients(items: Any, replicated: Any, *, of_parameters: bool) -> Gradients:
+    """The gradients to clip: parameters' .grad (None skipped) or the tensors themselves.
+
+    The same gradient given twice counts once and is scaled once; two that
+    overlap in memory in part are an error.
+    """
+    name = "parameters" if of_parameters else "tensors"
+    items = _as_list(items, name)
+    alone = replicated is not None and not isinstance(replicated, (list, tuple))
+    if alone:  # one entry alone (True, False, a group, a name): for every plain tensor
+        replicated = [replicated] * len(items)
+    if replicated is not None and len(replicated) != len(items):
+        raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
+    placed: dict[tuple[int, str], Any] = {}  # a DTensor's one Placed entry, however often it is given
+    picked: list[tuple[str, torch.Tensor, Any]] = []
+    for i, item in enumerate(items):
+        if of_parameters:
+            if not isinstance(item, torch.Tensor):
+                _checked(item, f"parameters[{i}]")  # raises: says what it is
+            if item.grad is None:
+                continue  # as torch: a parameter without a gradient is skipped
+            where, g = f"parameters[{i}].grad", item.grad
+        else:
+            if item is None:
+                raise GclipTypeError(f"tensors[{i}] is None: pass only the gradients that exist")
+            where, g = f"tensors[{i}]", item
+        g, entry = _checked(g, where), None if replicated is None else replicated[i]
+        if _dtensor.is_dtensor(g):  # its placements say what it holds; an entry only adds copies
+            if alone and not _dtensor._is_names(entry):
+                entry = None
+            if entry is True or (entry is not None and entry is not False and not _dtensor._is_names(entry)):
+                raise GclipTypeError(
+                    f"{where} is a DTensor: its placements say what it holds; replicated= takes, for a "
+                    f"DTensor, only mesh dimension names of copies outside its mesh, got {entry!r}"
+                )
+            key = (id(g), repr(entry))
+            if key not in placed:
+                placed[key] = _dtensor.Placed(g.device_mesh, tuple(g.placements), entry, where)
+            g, entry = _dtensor.local(g), placed[key]
+        picked.append((where, g, entry))
+    kept = _distinct(picked)
+    return Gradients([g for _, g, _ in kept], [e for _, _, e in kept], [w for w, _, _ in kept])
+
+
+def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor, Any]]:
+    """Drop repeats of one gradient (the same tensor, or the same view of one memory);
+    refuse gradients that share memory in part. Only tensors of one storage are compared."""
+    by_memory: dict[tuple[Any, int], list[int]] = {}
+    first: dict[Any, int] = {}  # a gradient's identity -> its first position
+    repeat: dict[int, int] = {}
+    for i, (_, g, _) in enumerate(picked):
+        if id(g) in first:
+            repeat[i] = first[id(g)]
+            continue
+        first[id(g)] = i
+        if g.numel():
+            by_memory.setdefault((g.device, g.untyped_storage().data_ptr()), []).append(i)
+    for members in by_memory.values():
+        if len(members) > 1:
+            repeat.update(_same_memory(picked, members))
+    for i, j in repeat.items():
+        (where_j, _, entry_j), (where_i, _, entry_i) = picked[j], picked[i]
+        if not _validate._same_entry(entry_j, entry_i):
+            raise GclipValueError(
+                f"{where_j} and {where_i} are the same gradient but replicated gives them different "
+                f"entries ({entry_j!r}, {entry_i!r})"
+            )
+    return [item for i, item in enumerate(picked) if i not in repeat]
+
+
+def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:
+    """Among gradients of one storage: the same view -> its first; spans that overlap otherwise: an error."""
+    tensors = [g for _, g, _ in picked]
+
+    def same_view(i: int, j: int) -> bool:
+        a, b = tensors[i], tensors[j]
+        return bool(
+            a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.dtype == b.dtype
+        )
+
+    return _validate.same_memory(
+        members,
+        span=lambda i: _span(tensors[i]),
+        same_view=same_view,
+        shares=lambda i, j: True,  # spans that meet: torch cannot tell an interleaving, so refused
+        overlap=lambda lo, hi: GclipValueError(
+            f"{picked[lo][0]} and {picked[hi][0]} overlap in memory without being the same tensor: "
+            "each value must be given once"
+        ),
+    )
+
+
+def _span(g: torch.Tensor) -> tuple[int, int]:
+    """[first byte, past the last byte] of a non-empty tensor's elements."""
+    lo = hi = g.data_ptr()
+    for n, stride in zip(g.shape, g.stride()):
+        step = (n - 1) * stride * g.element_size()
+        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+    return lo, hi + g.element_size()
