@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gclip
+from binned_digits import kept_bins
 from gclip import _kernels, partials
 from oracles import exact_norm, exact_power_sum
 
@@ -53,13 +54,6 @@ def test_reproducible_digits_hold_the_exact_sum_on_both_paths(kernels, numpy_onl
         got = binned.exact(digits)
         assert abs(got - exact) <= bound * exact, f"{path}: {float(abs(got - exact) / exact):.3g} relative"
 
-
-def kept_bins(binned: partials.BinnedPowerSum, combined: np.ndarray) -> list[int]:
-    """The digit counts of the K bins the result keeps (from the top non-zero bin)."""
-    digits = combined[2:].reshape(binned.nbins, binned._DIGITS)
-    counts = [sum(int(d) << (binned._DIGIT_BITS * j) for j, d in enumerate(row)) for row in digits]
-    top = max((i for i, c in enumerate(counts) if c), default=binned.K - 1)
-    return counts[top - binned.K + 1 : top + 1]
 
 
 @pytest.mark.parametrize("p", [1, 2])

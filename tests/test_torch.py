@@ -21,6 +21,7 @@ import gclip  # noqa: E402
 import gclip.gallery.torch as gallery_torch  # noqa: E402
 import gclip.torch as gt  # noqa: E402
 import torch_oracle  # noqa: E402
+from binned_digits import kept_bins  # noqa: E402
 from conftest import OneRankComm  # noqa: E402
 from gclip import _kernels, partials  # noqa: E402
 from gclip import _torch_partials as tp  # noqa: E402
@@ -110,13 +111,6 @@ def numpy_digits(request, monkeypatch):
     yield lambda binned, arrays: binned.local(arrays)
     _kernels.get.cache_clear()
 
-
-def kept_bins(binned: partials.BinnedPowerSum, combined: np.ndarray) -> list[int]:
-    """The digit counts of the K bins the result keeps (from the top non-zero bin)."""
-    digits = combined[2:].reshape(binned.nbins, binned._DIGITS)
-    counts = [sum(int(d) << (binned._DIGIT_BITS * j) for j, d in enumerate(row)) for row in digits]
-    top = max((i for i, c in enumerate(counts) if c), default=binned.K - 1)
-    return counts[top - binned.K + 1 : top + 1]
 
 
 @pytest.mark.parametrize("p", [1, 2])
