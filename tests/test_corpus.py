@@ -69,6 +69,13 @@ TABLE = [
         "rank0-norm",
         ["epsilon 1e-6", "float32 rounding"],
     ),
+    (  # the same bug on real tensor-parallel ranks, through mpu (on pp = 1 it is rank 0's norm too)
+        "deepspeed_fp16_before_5411_layout.py",
+        ("--layout", "tp=2", "--dtype", "float32", "--positive-max-norm"),
+        "fail",
+        "tp-rank0-only",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
     ("deepspeed_zero12.py", ("--dtype", "float32", "--positive-max-norm"), "near miss", "epsilon", []),
     (
         "deepspeed_zero12_before_7171.py",
@@ -154,7 +161,7 @@ def test_every_file_cites_repository_path_and_commit_and_a_buggy_one_its_pr():
         assert re.search(r"Source: [\w-]+/[\w-]+, [\w/.-]+\.(py|patch)\b", doc), path.name
         assert re.search(r"\b[0-9a-f]{40}\b", doc), path.name
         if "_before_" in path.name:  # the PR that fixed it (#N), or the fixing commit (its hash)
-            fix = path.stem.rsplit("_", 1)[1]
+            fix = path.stem.split("_before_")[1].split("_")[0]
             assert re.search(rf"#{fix}\b|\b{fix}[0-9a-f]{{32}}\b", doc), path.name
     assert sum("_before_" in p.name for p in files) >= 4
 
