@@ -76,6 +76,13 @@ TABLE = [
         "tp-rank0-only",
         ["epsilon 1e-6", "float32 rounding"],
     ),
+    (  # the experts by their real mark (allreduce=False), each optimizer over its own groups
+        "megatron_chained_before_abf10f85_layout.py",
+        ("--layout", "dp=2,ep=2", "--dtype", "float32", "--positive-max-norm"),
+        "fail",
+        "dense-expert-apart",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
     ("deepspeed_zero12.py", ("--dtype", "float32", "--positive-max-norm"), "near miss", "epsilon", []),
     (
         "deepspeed_zero12_before_7171.py",
