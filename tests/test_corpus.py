@@ -84,6 +84,13 @@ TABLE = [
         ["epsilon 1e-6", "float32 rounding"],
     ),
     ("deepspeed_zero12.py", ("--dtype", "float32", "--positive-max-norm"), "near miss", "epsilon", []),
+    (  # today's engine clip: model-parallel rank 0's duplicates only, the tie's copy twice (two causes)
+        "deepspeed_clip_grad_norm.py",
+        ("--layout", "pp=2,tp=2", "--dtype", "float32", "--nonempty-ranks", "--positive-max-norm"),
+        "fail",
+        "unknown",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
     (
         "deepspeed_zero12_before_7171.py",
         ("--positive-max-norm",),
