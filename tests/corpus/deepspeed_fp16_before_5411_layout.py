@@ -19,7 +19,9 @@ parameter group (every parameter of the rank), no MoE layers (``has_moe_layers``
 with no overflow (the overflow check passes), the device the CPU (``get_accelerator().FloatTensor``
 a CPU float32 tensor), and the clipped flat gradient written back into each ``.grad`` (the real step
 hands it to the optimizer and copies the updated weights back). ``clip_grad > 0`` gates the clip, as
-in DeepSpeed: judged with ``--positive-max-norm``.
+in DeepSpeed: judged with ``--positive-max-norm``. The flat copy is float32 (the master copy of fp16
+parameters), so float64 gradients would come back rounded to float32: ``--dtype float32`` (the layout
+cases have no float16).
 """
 
 from math import sqrt
