@@ -69,7 +69,28 @@ TABLE = [
         "rank0-norm",
         ["epsilon 1e-6", "float32 rounding"],
     ),
+    (  # the same bug on real tensor-parallel ranks, through mpu (on pp = 1 it is rank 0's norm too)
+        "deepspeed_fp16_before_5411_layout.py",
+        ("--layout", "tp=2", "--dtype", "float32", "--positive-max-norm"),
+        "fail",
+        "tp-rank0-only",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
+    (  # the experts by their real mark (allreduce=False), each optimizer over its own groups
+        "megatron_chained_before_abf10f85_layout.py",
+        ("--layout", "dp=2,ep=2", "--dtype", "float32", "--positive-max-norm"),
+        "fail",
+        "dense-expert-apart",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
     ("deepspeed_zero12.py", ("--dtype", "float32", "--positive-max-norm"), "near miss", "epsilon", []),
+    (  # today's engine clip: model-parallel rank 0's duplicates only, the tie's copy twice (two causes)
+        "deepspeed_clip_grad_norm.py",
+        ("--layout", "pp=2,tp=2", "--dtype", "float32", "--nonempty-ranks", "--positive-max-norm"),
+        "fail",
+        "unknown",
+        ["epsilon 1e-6", "float32 rounding"],
+    ),
     (
         "deepspeed_zero12_before_7171.py",
         ("--positive-max-norm",),
@@ -154,7 +175,7 @@ def test_every_file_cites_repository_path_and_commit_and_a_buggy_one_its_pr():
         assert re.search(r"Source: [\w-]+/[\w-]+, [\w/.-]+\.(py|patch)\b", doc), path.name
         assert re.search(r"\b[0-9a-f]{40}\b", doc), path.name
         if "_before_" in path.name:  # the PR that fixed it (#N), or the fixing commit (its hash)
-            fix = path.stem.rsplit("_", 1)[1]
+            fix = path.stem.split("_before_")[1].split("_")[0]
             assert re.search(rf"#{fix}\b|\b{fix}[0-9a-f]{{32}}\b", doc), path.name
     assert sum("_before_" in p.name for p in files) >= 4
 
@@ -170,3 +191,69 @@ def test_the_docs_show_the_table():
             else f"| `tests/corpus/{name}` | | {grade.upper()} | {named} |"
         )
         assert row in text, row
+
+
+# The layout rows' readings, checked on variants of the same transcriptions whose answer is known
+# without the judge's fingerprints: the fix applied (the contract: PASS), or one cause removed.
+CHAINED_FIXED = """
+import math
+
+from megatron_chained_before_abf10f85 import clip_grad_norm_fp32
+from megatron_chained_before_abf10f85_layout import DistributedOptimizer
+
+
+def clip(parameters, max_norm, layout):  # abf10f85: both norms first, then one clip by the total
+    params = list(parameters)
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    moe = [p for p in params if not getattr(p, "allreduce", True)]
+    opts = [DistributedOptimizer(dense, max_norm, layout.get_data_parallel_group(), layout)]
+    if moe:
+        opts.append(DistributedOptimizer(moe, max_norm, layout.get_expert_data_parallel_group(), layout))
+    norms = [
+        clip_grad_norm_fp32(o.get_parameters(), o.get_main_grads_for_grad_norm(), math.inf) for o in opts
+    ]
+    total = math.sqrt(sum(n**2 for n in norms))
+    coeff = max_norm / (total + 1e-6)
+    for o in opts:
+        if coeff < 1.0:
+            for p in o.get_parameters():
+                p.grad.mul_(coeff)
+        o._gather()
+    return total
+"""
+
+TP_RANK = ("mpu.get_model_parallel_rank() == 0", "mpu.get_tensor_model_parallel_rank() == 0")
+SKIP_TIE = (
+    "        for p in parameters:\n            if mpu is not None:\n",
+    "        for p in parameters:\n            if getattr(p, 'ds_pipe_replicated', False):\n"
+    "                continue\n            if mpu is not None:\n",
+)
+
+READINGS = [
+    ("megatron_chained_before_abf10f85_layout.py", None, "dp=2,ep=2", "pass", None),
+    ("deepspeed_clip_grad_norm.py", (TP_RANK, SKIP_TIE), "pp=2,tp=2", "pass", None),
+    ("deepspeed_clip_grad_norm.py", (TP_RANK,), "pp=2,tp=2", "fail", "tied-counted-twice"),
+]
+
+
+@pytest.mark.parametrize("name,edits,layout,grade,bug", READINGS, ids=["chained-fixed", "ds-both", "ds-rank"])
+def test_the_layout_readings_hold_on_variants_with_a_known_answer(tmp_path, name, edits, layout, grade, bug):
+    for dep in ("megatron_chained_before_abf10f85.py", "megatron_chained_before_abf10f85_layout.py"):
+        (tmp_path / dep).write_text((CORPUS / dep).read_text())
+    if edits is None:
+        text = CHAINED_FIXED
+    else:
+        text = (CORPUS / name).read_text()
+        for old, new in edits:
+            assert old in text
+            text = text.replace(old, new)
+    variant = tmp_path / "variant.py"
+    variant.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    cmd = [sys.executable, "-m", "gclip.conformance", f"{variant}:clip", "--torch", "--layout", layout]
+    cmd += ["--json", "--random", "3", "--timeout", "20", "--dtype", "float32", "--positive-max-norm"]
+    cmd += ["--nonempty-ranks"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == (0 if grade == "pass" else 1), (proc.stdout[-2000:], proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    assert out["grade"] == grade and out["fingerprint"] == bug, (out["grade"], out["fingerprint"])

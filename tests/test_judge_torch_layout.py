@@ -299,7 +299,8 @@ def test_torch_layout_with_a_numpy_layout_function_is_a_usage_error(tmp_path):
     path = tmp_path / "impl.py"
     path.write_text(textwrap.dedent(LAYOUT))
     cmd = [sys.executable, "-m", "gclip.conformance", f"{path}:good", "--layout", "pp=2", "--torch"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     (line,) = proc.stderr.strip().splitlines()
     assert "good takes 5 positional arguments, not the 3 of (parameters, max_norm, layout)" in line
