@@ -43,20 +43,23 @@ ROWS = [row for row in TABLE if row[3] != "skip-collective" and "--layout" not i
 RANK = ("pass", "near miss", "fail")
 
 
-def _group():
-    """A gloo group over the MPI ranks (made once)."""
+@pytest.fixture(scope="module")
+def gloo_group():
+    """A gloo group over the MPI ranks for this module, destroyed after it (the other MPI
+    test modules start their own torch.distributed world)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        comm = MPI.COMM_WORLD
-        folder = comm.bcast(tempfile.mkdtemp(prefix="gclip-corpus-") if comm.Get_rank() == 0 else None)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{os.path.join(folder, 'store')}",
-            rank=comm.Get_rank(),
-            world_size=comm.Get_size(),
-        )
-    return dist.group.WORLD
+    assert not dist.is_initialized()
+    comm = MPI.COMM_WORLD
+    folder = comm.bcast(tempfile.mkdtemp(prefix="gclip-corpus-") if comm.Get_rank() == 0 else None)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(folder, 'store')}",
+        rank=comm.Get_rank(),
+        world_size=comm.Get_size(),
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def _load(name: str):
@@ -129,14 +132,14 @@ def _diagnosed(fn, comm, family: dict) -> tuple[str, str | None]:
 
 @pytest.mark.parametrize("name,family,grade,bug,benign", ROWS, ids=[f"{t[0]}{''.join(t[1])}" for t in ROWS])
 def test_assert_conforms_and_diagnose_give_the_commands_grade_and_fingerprint(
-    name, family, grade, bug, benign
+    request, name, family, grade, bug, benign
 ):
     from gclip.testing import assert_conforms
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
         pytest.skip("the table is the command's on 2 ranks")
-    fn = numpy_form(_load(name), _group())
+    fn = numpy_form(_load(name), request.getfixturevalue("gloo_group"))
     kinds = _family(family)
     with pytest.raises(AssertionError) as raised:  # no file of the corpus is exact
         assert_conforms(fn, comm, random=12, seed=0, timeout=20.0, **kinds)
