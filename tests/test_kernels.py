@@ -55,7 +55,6 @@ def test_reproducible_digits_hold_the_exact_sum_on_both_paths(kernels, numpy_onl
         assert abs(got - exact) <= bound * exact, f"{path}: {float(abs(got - exact) / exact):.3g} relative"
 
 
-
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30, 1e-150, 1e150, 1e300, 1e-300, 1e-310])

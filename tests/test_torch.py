@@ -112,7 +112,6 @@ def numpy_digits(request, monkeypatch):
     _kernels.get.cache_clear()
 
 
-
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("magnitude", [1.0, 1e-30, 1e30, 1e-150, 1e150, 1e300, 1e-300, 1e-310])
