@@ -210,9 +210,11 @@ def simulate(case: LayoutCase, shape: dict[str, int], bug: str | None = None) ->
                 for i, g in zip(part[r], res.grads):
                     out[r][i] = g
         return out
-    if layout_bug is not None and layout_bug.omit in shape:
+    if layout_bug is not None and layout_bug.omits(shape):
         pieces = _simulated_model(tuple(shape.items()), case.dtype, case.frozen, layout_bug)[2]
-        kept = [[i for i, p in enumerate(ps) if layout_bug.omit not in p.placement.sharded] for ps in pieces]
+        coords = [Mesh((r, size), **shape).coords for r in range(size)]
+        kept = [[i for i, p in enumerate(ps) if not layout_bug.left_out(p.placement, coords[r])]
+                for r, ps in enumerate(pieces)]  # fmt: skip
         norm = clip_simulated(
             [[arrays[r][i] for i in kept[r]] for r in range(size)],
             case.max_norm,
