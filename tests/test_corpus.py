@@ -84,11 +84,11 @@ TABLE = [
         ["epsilon 1e-6", "float32 rounding"],
     ),
     ("deepspeed_zero12.py", ("--dtype", "float32", "--positive-max-norm"), "near miss", "epsilon", []),
-    (  # today's engine clip: model-parallel rank 0's duplicates only, the tie's copy twice (two causes)
+    (  # today's engine clip: model-parallel rank 0's duplicates only, the tie's copy twice (two bugs)
         "deepspeed_clip_grad_norm.py",
         ("--layout", "pp=2,tp=2", "--dtype", "float32", "--nonempty-ranks", "--positive-max-norm"),
         "fail",
-        "unknown",
+        "duplicates-on-mp-rank0-only + tied-counted-twice",
         ["epsilon 1e-6", "float32 rounding"],
     ),
     (

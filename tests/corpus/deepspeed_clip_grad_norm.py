@@ -20,8 +20,8 @@ the second, and what the two do to the norm on ``--layout pp=2,tp=2`` (the tie's
 the second stage's layer norms never: 1.006 times the global norm on the lab's model), is the judge's
 finding, not a cited incident: no DeepSpeed issue or pull request describing it was found. With the
 tensor-parallel rank and the ``ds_pipe_replicated`` skip of get_grad_norm it passes on the same layout;
-with the rank alone it is ``tied-counted-twice``. The judge names no bug for the two together (the
-gallery has no bug for the dropped duplicates, and names one bug at a time): FAIL, ``unknown``.
+with the rank alone it is ``tied-counted-twice``. As it is, the judge names the two together: FAIL,
+``duplicates-on-mp-rank0-only + tied-counted-twice``.
 
 Adapted to the judge's layout form (``--layout --torch``): ``mpu`` is ``layout``, which is also
 what ``groups.mpu`` holds (deepspeed.initialize sets it; ``layout`` has no

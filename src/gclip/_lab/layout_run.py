@@ -90,8 +90,8 @@ def clip_model(
     kwargs = dict(norm_type=norm_type, reproducible=reproducible, replicated=entries)
     if layout_bug is not None and layout_bug.skips_collective:
         return _skip_collective(mesh, arrays, pieces, max_norm, kwargs, held)
-    if layout_bug is not None and layout_bug.omit in mesh.shape:
-        kept = [i for i in range(len(arrays)) if not _omitted(layout_bug, i, pieces)]
+    if layout_bug is not None and layout_bug.omits(mesh.shape):
+        kept = [i for i in range(len(arrays)) if not _omitted(layout_bug, i, pieces, mesh.coords)]
         norm = global_norm(
             [arrays[i] for i in kept],
             comm=comm,
@@ -196,8 +196,11 @@ def clip_model_simulated(
                      (found_split[r][0], found_split[r][1]))
             for r in range(size)
         ]  # fmt: skip
-    if layout_bug is not None and layout_bug.omit in shape:
-        kept = [[i for i in range(len(a[0])) if not _omitted(layout_bug, i, a[3])] for a in args]
+    if layout_bug is not None and layout_bug.omits(shape):
+        kept = [
+            [i for i in range(len(a[0])) if not _omitted(layout_bug, i, a[3], m.coords)]
+            for a, m in zip(args, meshes)
+        ]
         results = clip_simulated(
             [[a[0][i] for i in k] for a, k in zip(args, kept)],
             max_norm,
@@ -249,8 +252,9 @@ def _within(entries: list, members: list[int], size: int) -> list:
     return [renumbered.get(id(e), e) for e in entries]
 
 
-def _omitted(bug: gallery.LayoutBug, index: int, pieces: list) -> bool:
-    return _sharded_along(bug.omit or "", index, pieces)
+def _omitted(bug: gallery.LayoutBug, index: int, pieces: list, coords: dict) -> bool:
+    piece = pieces[index] if index < len(pieces) else pieces[0]  # past the pieces: the head
+    return bug.left_out(piece.placement, coords)
 
 
 def _sharded_along(axis: str, index: int, pieces: list) -> bool:

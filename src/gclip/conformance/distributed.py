@@ -138,6 +138,14 @@ def _layout_cases(
     return cases, views, gallery
 
 
+def _layout_pairs(shape: dict[str, int], cases: list[Any]) -> dict[str, list[Any]]:
+    """Each pair of layout bugs' outputs on the cases (asked for only when no single bug matches)."""
+    return {
+        bug.name: [_try(lambda c=c, bug=bug: layout_cases.simulate(c, shape, bug)) for c in cases]
+        for bug in layout_cases.layout_pairs(shape)
+    }
+
+
 def judge_distributed(
     target: Target,
     size: int,
@@ -162,9 +170,26 @@ def judge_distributed(
     note = runs.note
     if family:
         note = f"cases of one family: {family.words()}" + (f"; {note}" if note else "")
-    if runs.ran is not None:  # the cases of a family that crashed were left out: judge those that ran
-        views = [views[i] for i in runs.ran]
-        gallery = {name: [outputs[i] for i in runs.ran] for name, outputs in gallery.items()}
+    ran = runs.ran
+    if ran is not None:  # the cases of a family that crashed were left out: judge those that ran
+        views = [views[i] for i in ran]
+        gallery = {name: [outputs[i] for i in ran] for name, outputs in gallery.items()}
+    pairs = None
+    if layout is not None:
+        shape, judged = layout, cases
+
+        def pairs() -> dict[str, list[Any]]:
+            found = _layout_pairs(shape, judged)
+            return {k: v if ran is None else [v[i] for i in ran] for k, v in found.items()}
+
     return judge_runs(
-        str(target), size, views, runs.runs, gallery, runs.stopped, note, not_run=runs.not_run or {}
+        str(target),
+        size,
+        views,
+        runs.runs,
+        gallery,
+        runs.stopped,
+        note,
+        not_run=runs.not_run or {},
+        pairs=pairs,
     )

@@ -12,7 +12,7 @@ culprits are exactly the ranks that had nothing to clip is the fingerprint of
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -262,9 +262,13 @@ def fingerprint_with_benign(
     runs: Sequence[CaseRun],
     failed: Sequence[int],
     gallery: dict[str, list[Any]],
+    pairs: Callable[[], dict[str, list[Any]]] | None = None,
 ) -> tuple[str | None, dict[str, float], tuple[str, ...]]:
     """As ``fingerprint``, with the benign differences (float32 rounding, torch's epsilon) the
-    named bug needed to match: a real clip has both, and they do not hide its bug."""
+    named bug needed to match: a real clip has both, and they do not hide its bug.
+
+    ``pairs``: where no single bug matches (nor two clips over sets of the arrays), the outputs
+    of two layout bugs at once, by 'first + second' (computed only then): the pair matched is named."""
     if not failed:
         return None, {}, ()
     if _skip_signature(cases, runs):
@@ -276,8 +280,6 @@ def fingerprint_with_benign(
     if not wrong or not valid:
         return "unknown", {}, ()
     scores: dict[str, float] = {}
-    best: tuple[bool, int, int, bool, str] | None = None
-    needed: dict[str, tuple[str, ...]] = {}
     # the failures that no benign difference explains (the correct clip in float32, or with the
     # epsilon, reproduces the others): a bug that explains these is named before one that explains
     # only the benign ones (a NaN on one case beside float32 rounding on many is that NaN's bug)
@@ -287,6 +289,41 @@ def fingerprint_with_benign(
         if _near_correct(cases[i], runs[i], [o[i] for n, o in gallery.items() if n in NEAR_MISS_BUGS])
     }
     real = [i for i in wrong if i not in near]
+    found = _best(cases, runs, valid, wrong, real, gallery, scores)
+    if found is not None:
+        return found[0], scores, found[1]
+    # no bug of the gallery: two clips, each over a set of the arrays?
+    split = {i: _two_clips(cases[i], runs[i]) for i in valid}
+    hits = {i for i, alt in split.items() if alt is not None}
+    explained = sum(
+        i in hits and not _matches(cases[i], cases[i].expected, _as_run(split[i][0])) for i in wrong
+    )
+    scores[APART] = round(len(hits) / len(valid), 4)
+    if explained and explained >= MATCH_SHARE * len(wrong) and len(hits) >= MATCH_SHARE * len(valid):
+        seen = {b for i in hits for b in split[i][1]}
+        return APART, scores, tuple(b for b in (FLOAT32, EPSILON) if b in seen)
+    if pairs is not None:  # two layout bugs at once: only the matched pair's score is kept
+        pair_scores: dict[str, float] = {}
+        found = _best(cases, runs, valid, wrong, real, pairs(), pair_scores)
+        if found is not None:
+            scores[found[0]] = pair_scores[found[0]]
+            return found[0], scores, found[1]
+    return "unknown", scores, ()
+
+
+def _best(
+    cases: Sequence[DistCase],
+    runs: Sequence[CaseRun],
+    valid: list[int],
+    wrong: list[int],
+    real: list[int],
+    gallery: dict[str, list[Any]],
+    scores: dict[str, float],
+) -> tuple[str, tuple[str, ...]] | None:
+    """(the bug of ``gallery`` that explains the failures best, the benign differences it needed),
+    or None; each bug's share of matched cases into ``scores``."""
+    best: tuple[bool, int, int, bool, str] | None = None
+    needed: dict[str, tuple[str, ...]] = {}
     for name, outputs in gallery.items():
         # which of the bug's variants (if it has several) each case's outputs equal
         matched = {i: _matching(cases[i], outputs[i], runs[i]) for i in valid}
@@ -306,18 +343,8 @@ def fingerprint_with_benign(
                 seen = {b for i in hits for b in matched[i][1]}
                 needed[name] = tuple(b for b in (FLOAT32, EPSILON, FLOAT16_TOTAL) if b in seen)
     if best is not None:
-        return best[4], scores, needed[best[4]]
-    # no bug of the gallery: two clips, each over a set of the arrays?
-    split = {i: _two_clips(cases[i], runs[i]) for i in valid}
-    hits = {i for i, alt in split.items() if alt is not None}
-    explained = sum(
-        i in hits and not _matches(cases[i], cases[i].expected, _as_run(split[i][0])) for i in wrong
-    )
-    scores[APART] = round(len(hits) / len(valid), 4)
-    if explained and explained >= MATCH_SHARE * len(wrong) and len(hits) >= MATCH_SHARE * len(valid):
-        seen = {b for i in hits for b in split[i][1]}
-        return APART, scores, tuple(b for b in (FLOAT32, EPSILON) if b in seen)
-    return "unknown", scores, ()
+        return best[4], needed[best[4]]
+    return None
 
 
 def _near_correct(case: DistCase, run: CaseRun, benign_bugs: Sequence[Any]) -> bool:
@@ -471,8 +498,10 @@ def judge_runs(
     stopped: str | None,
     note: str | None = None,
     not_run: dict[str, int] | None = None,
+    pairs: Callable[[], dict[str, list[Any]]] | None = None,
 ) -> DistVerdict:
-    """The verdict on the cases that ran (``runs`` may be shorter than ``cases``)."""
+    """The verdict on the cases that ran (``runs`` may be shorter than ``cases``); ``pairs``: two
+    layout bugs at once, tried where no single one matches."""
     cases = list(cases[: len(runs)])
     reasons = {}
     for i, (case, run) in enumerate(zip(cases, runs)):
@@ -480,8 +509,10 @@ def judge_runs(
         if why is not None:
             reasons[i] = why
     failed = sorted(reasons)
+    cut = len(runs)
+    both = None if pairs is None else (lambda: {k: v[:cut] for k, v in pairs().items()})
     name, scores, benign = fingerprint_with_benign(
-        cases, runs, failed, {k: v[: len(runs)] for k, v in gallery.items()}
+        cases, runs, failed, {k: v[:cut] for k, v in gallery.items()}, both
     )
     if stopped and name is None:
         name = "unknown"

@@ -13,7 +13,9 @@ tensors left out) on them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -21,13 +23,14 @@ import numpy as np
 
 from .._lab import transformer
 from ..clip import apply_scale
-from ..gallery import GLOBAL, LAYOUT_BUG_NAMES, LayoutBug, clip_simulated
+from ..gallery import GLOBAL, LAYOUT_BUG_NAMES, LAYOUT_BUGS, LayoutBug, clip_simulated
 from ..layout import Group, Mesh, Placement
 
 __all__ = [
     "LayoutCase",
     "frozen_ranks",
     "layout_inputs",
+    "layout_pairs",
     "make_layout_cases",
     "parse_layout",
     "simulate",
@@ -180,17 +183,58 @@ def _local(entry: Any, where: dict[int, int]) -> Any:
     return entry
 
 
-def simulate(case: LayoutCase, shape: dict[str, int], bug: str | None = None) -> Any:
+def combine(first: LayoutBug, second: LayoutBug) -> LayoutBug | None:
+    """The two layout bugs at once, as one (named 'first + second'), or None where they cannot
+    apply together: a hang, two reductions over parts of the mesh, two splits, or a reduction
+    over part of the mesh beside a split or beside tensors left out."""
+    pair = (first, second)
+    if any(b.skips_collective for b in pair):
+        return None
+    for field in ("apart", "omit", "within", "split"):
+        if all(getattr(b, field) for b in pair):
+            return None
+    kinds = [any(b.apart for b in pair), any(b.split for b in pair), any(b.omit or b.mp_rank0 for b in pair)]
+    if sum(kinds) > 1:
+        return None
+    if any(b.within for b in pair) and any(b.drop or b.add for b in pair if not b.within):
+        return None
+    return dataclasses.replace(
+        first,
+        name=f"{first.name} + {second.name}",
+        summary=f"{first.summary}; and {second.summary}",
+        incident="",
+        explanation="",
+        drop=tuple(dict.fromkeys(first.drop + second.drop)),
+        add=tuple(dict.fromkeys(first.add + second.add)),
+        untie=first.untie or second.untie,
+        apart=first.apart or second.apart,
+        omit=first.omit or second.omit,
+        within=first.within or second.within,
+        split=first.split or second.split,
+        mp_rank0=first.mp_rank0 or second.mp_rank0,
+    )
+
+
+def layout_pairs(shape: dict[str, int]) -> list[LayoutBug]:
+    """Every two layout bugs that show on this mesh and apply together, in the gallery's order."""
+    axes = {a for a, n in shape.items() if n > 1}
+    shown = [b for b in LAYOUT_BUGS if not b.skips_collective and b.axes() <= axes]
+    both = (combine(a, b) for a, b in itertools.combinations(shown, 2))
+    return [b for b in both if b is not None]
+
+
+def simulate(case: LayoutCase, shape: dict[str, int], bug: str | LayoutBug | None = None) -> Any:
     """Every rank's arrays after gclip's clip, or after the gallery bug ``bug``.
 
     None: the bug cannot show as values (a hang). A tuple: the bug's variants,
     each a per-rank list (a reduction over part of the mesh, with the copies
-    declared as the bug declares them, or as they are)."""
-    layout_bug = LAYOUT_BUG_NAMES.get(bug or "")
+    declared as the bug declares them, or as they are). ``bug`` may be a LayoutBug
+    (two bugs at once: ``combine``)."""
+    layout_bug = bug if isinstance(bug, LayoutBug) else LAYOUT_BUG_NAMES.get(bug or "")
     if layout_bug is not None and layout_bug.skips_collective:
         return None  # a hang, not a value: told apart by how the case never ends
     arrays, entries = _simulated_inputs(case, shape, layout_bug)
-    mode = bug if bug is not None and layout_bug is None else "global"
+    mode = bug if isinstance(bug, str) and layout_bug is None else "global"
     size = len(arrays)
     if layout_bug is not None and layout_bug.apart in shape:
         apart = layout_bug.apart
@@ -210,9 +254,11 @@ def simulate(case: LayoutCase, shape: dict[str, int], bug: str | None = None) ->
                 for i, g in zip(part[r], res.grads):
                     out[r][i] = g
         return out
-    if layout_bug is not None and layout_bug.omit in shape:
+    if layout_bug is not None and layout_bug.omits(shape):
         pieces = _simulated_model(tuple(shape.items()), case.dtype, case.frozen, layout_bug)[2]
-        kept = [[i for i, p in enumerate(ps) if layout_bug.omit not in p.placement.sharded] for ps in pieces]
+        coords = [Mesh((r, size), **shape).coords for r in range(size)]
+        kept = [[i for i, p in enumerate(ps) if not layout_bug.left_out(p.placement, coords[r])]
+                for r, ps in enumerate(pieces)]  # fmt: skip
         norm = clip_simulated(
             [[arrays[r][i] for i in kept[r]] for r in range(size)],
             case.max_norm,

@@ -94,6 +94,16 @@ def fingerprint_lines(
         return lines
     if name is None:
         return []
+    both = [LAYOUT_BUG_NAMES.get(part) for part in name.split(" + ")]
+    if len(both) == 2 and all(both):
+        lines = [f"fingerprint: {name}{benign_words(benign)}: two bugs of the gallery at once"]
+        for part in both:
+            lines.append(f"  {part.name}: {part.summary}")
+            if part.incident:
+                lines.append(f"    seen in: {part.incident}")
+        if score is not None:
+            lines.append(f"  the two together match this implementation on {score:.0%} of the answered cases")
+        return lines
     return [f"fingerprint: {name} ({unknown_hint})"]
 
 

@@ -377,6 +377,9 @@ class LayoutBug:
     ``within``   ``drop`` and ``add`` apply only to tensors sharded along this axis (the experts).
     ``split``    tensors sharded along this axis and the others are two clips: each set is
                  clipped by its own global norm (two optimizers, each with its own clip).
+    ``mp_rank0`` tensors duplicated over tp are counted on model-parallel rank 0 only (rank 0 of
+                 tp x pp, where tensor-parallel rank 0 was meant): those of every pipeline stage but
+                 the first are scaled but not counted.
     ``skips_collective`` a rank with nothing to clip returns before the all-reduce.
     ``shows_on`` a layout where the bug shows (the lab demonstrates it there).
     """
@@ -393,6 +396,7 @@ class LayoutBug:
     skips_collective: bool = False
     within: str | None = None
     split: str | None = None
+    mp_rank0: bool = False
     shows_on: str = "pp=2,dp=2,tp=2"
 
     def declare(self, placement: Any) -> Any:
@@ -404,13 +408,25 @@ class LayoutBug:
         tied = None if self.untie or placement.tied == self.apart else placement.tied
         return placement._replace(replicated=reps, tied=tied)
 
+    def omits(self, shape: Any) -> bool:
+        """Whether on a mesh of this ``shape`` some tensors are scaled but not counted."""
+        return (self.omit is not None and self.omit in shape) or (self.mp_rank0 and shape.get("pp", 1) > 1)
+
+    def left_out(self, placement: Any, coords: Any) -> bool:
+        """Whether a tensor at ``placement``, on the rank at ``coords``, is scaled but not counted."""
+        if self.omit is not None and self.omit in placement.sharded:
+            return True
+        duplicate = "tp" in placement.replicated and not placement.sharded
+        return self.mp_rank0 and duplicate and coords.get("pp", 0) != 0
+
     def as_dict(self) -> dict[str, Any]:
         return card(self, shows_on=self.shows_on)
 
     def axes(self) -> set[str]:
         """The axes this bug acts on: it changes nothing unless each is in the mesh, > 1."""
         named = (self.apart, self.omit, self.within, self.split)
-        return {*self.drop, *self.add, *(a for a in named if a)} | ({"pp"} if self.untie else set())
+        staged = {"pp"} if self.untie or self.mp_rank0 else set()
+        return {*self.drop, *self.add, *(a for a in named if a)} | staged
 
 
 LAYOUT_BUGS: tuple[LayoutBug, ...] = (
@@ -445,6 +461,18 @@ LAYOUT_BUGS: tuple[LayoutBug, ...] = (
         "missing, the norm is too small and the gradient is clipped too little. The scale is the same "
         "on every rank, so the direction is kept: the step is too long.",
         add=("tp",),
+    ),
+    LayoutBug(
+        "duplicates-on-mp-rank0-only",
+        "tensors duplicated over tp (norms, biases) counted on model-parallel rank 0 only",
+        "DeepSpeed issue #1839 (open: clip_grad_norm_ does not handle model parallelism correctly, it "
+        "uses get_model_parallel_rank() instead of bwc_tensor_model_parallel_rank())",
+        "The duplicates should count on tensor-parallel rank 0 of each stage; asking for the "
+        "model-parallel rank (tp x pp) counts them on the first stage only, so the layer norms and "
+        "biases of every other stage are missing: the norm is too small and the gradient is clipped "
+        "too little. The scale is the same on every rank, so the direction is kept: the step is too "
+        "long.",
+        mp_rank0=True,
     ),
     LayoutBug(
         "pp-stages-apart",
