@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"torch {out['torch_median_s'] * 1e3:.2f} ms, gclip / torch {out['gclip_vs_torch']:.2f} "
                 f"(norms {ours:.9g}, {theirs:.9g})"
             )
+    dist.barrier()  # no rank tears its gloo pairs down while a peer still reads from them
     dist.destroy_process_group()
     return 0
 
