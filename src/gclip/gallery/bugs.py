@@ -49,6 +49,7 @@ import numpy as np
 from .. import engine, partials, policy
 from ..engine import NormOp
 from ..errors import GclipValueError
+from .usage_bugs import USAGE_BUG_NAMES, USAGE_BUGS, UsageBug
 
 __all__ = [
     "BUGS",
@@ -583,45 +584,3 @@ def steps_for(name: Any) -> engine.Steps:
         raise GclipValueError(message)
 
     return engine.Steps("unknown", local_partials=refuse)
-
-
-# ---------------------------------------------------------------------------
-# usage bugs: a correct clip, called at the wrong moment or on the wrong input
-
-
-@dataclass(frozen=True)
-class UsageBug:
-    """A bug in how a training loop calls the clip: the norm and the scale are
-    right, but the gradients they see are not the ones the step uses (still
-    multiplied by the loss scale), or are gone (a generator already read).
-    tests/test_torch_usage_bugs.py shows each with plain torch and with gclip.torch.
-    """
-
-    name: str
-    summary: str
-    incident: str
-    explanation: str
-
-
-USAGE_BUGS: tuple[UsageBug, ...] = (
-    UsageBug(
-        "clip-before-unscale",
-        "gradients clipped while still multiplied by the mixed-precision loss scale",
-        "pytorch/examples #1196 (add scaler.unscale_(optimizer) before clip_grad_norm_: the minGPT-DDP "
-        "trainer clips the scaled gradients)",
-        "GradScaler multiplies the loss, so every gradient, by a large factor (65536 at first). Clipped "
-        "before unscale_, a norm that many times too large is compared with max_norm: the clip fires on "
-        "every step, and once the scaler divides the factor out the update is max_norm / scale long. "
-        "Call scaler.unscale_(optimizer) before the clip.",
-    ),
-    UsageBug(
-        "generator-consumed",
-        "a generator of parameters read to compute the norm, then empty when the gradients are scaled",
-        "pytorch/torchtitan PR #1258 (fix: clip_grad_norm_ general usage: its clip_grad_norm_ given "
-        "model.parameters() left the gradients unscaled)",
-        "model.parameters() is a generator: the pass that computes the norm exhausts it, so the pass "
-        "that scales finds no parameter and silently does nothing. Read the parameters into a list once.",
-    ),
-)
-
-USAGE_BUG_NAMES: dict[str, UsageBug] = {b.name: b for b in USAGE_BUGS}
