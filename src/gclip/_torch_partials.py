@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _kernels, partials, policy
+from . import _kernels, partials
 from .partials import BinnedPowerSum
 
 __all__ = [
@@ -235,7 +235,8 @@ def scale(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | None) -
         if dtype == torch.float64:
             f = torch.full((), factor, dtype=torch.float64, device=device)
         else:
-            f = torch.full((), float(policy.float32_toward_zero(factor)), dtype=torch.float32, device=device)
+            f32 = float(partials.float32_toward_zero(factor))
+            f = torch.full((), f32, dtype=torch.float32, device=device)
         if foreach is False:
             for g in group:
                 g.mul_(f)

@@ -143,9 +143,12 @@ class Grads(NamedTuple):
 
     def scaled(self, factor: float, inplace: bool) -> Any:
         """The arrays multiplied by ``factor`` (``partials.scale``), in the layout given: in
-        place, the very objects given (a factor of exactly 1 touches nothing); else new arrays."""
-        out = partials.scale(self.arrays, factor, inplace)
-        return self.source if inplace else self.rebuild(out)
+        place, the very objects given (a factor of exactly 1 touches nothing); else new arrays
+        of the same dtypes, laid out as given, then filled."""
+        out = self.arrays if inplace else [np.empty_like(a) for a in self.arrays]
+        result = self.source if inplace else self.rebuild(out)
+        partials.scale(self.arrays, factor, out)
+        return result
 
 
 def _like(source: Any, out: np.ndarray) -> Any:
@@ -217,7 +220,20 @@ def grads(value: Any, inplace: bool) -> Grads:
         else _array(g, f"grads[{i}]", inplace)  # the common case above, checked in one line
         for i, g in enumerate(items)
     ]
-    return _unaliased(items, arrays, container)._replace(source=items)
+    given = _unaliased(items, arrays, container)
+    return given._replace(arrays=_with_table(given.arrays, inplace), source=items)
+
+
+def _with_table(arrays: list[np.ndarray], inplace: bool) -> list[np.ndarray]:
+    """Many arrays, with the compiled kernels' table read once here for the whole call (its sum,
+    its digits and its in-place scale); the arrays as they are otherwise."""
+    kernels = _kernels.get() if len(arrays) >= _kernels.MANY else None
+    table = kernels.table(arrays, writable=inplace) if kernels is not None else None
+    if table is None or not table.compiled:
+        return arrays
+    checked = _kernels.Checked(arrays)
+    checked.table, checked.writable = table, inplace
+    return checked
 
 
 def _checked_at_once(items: Sequence[Any], inplace: bool) -> list[np.ndarray] | None:

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import partials
 from .comm import Comm
-from .errors import AgreedError, GclipError, GclipValueError, NonFiniteNormError
+from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError, one_line
 
 __all__ = [
     "CORRECT",
@@ -55,6 +55,7 @@ __all__ = [
     "Reduce",
     "Spec",
     "Steps",
+    "agreed_error",
     "combine",
     "counted",
     "drive",
@@ -62,6 +63,7 @@ __all__ = [
     "local_partials",
     "norm_program",
     "rescued",
+    "root",
     "run_mpi",
     "run_simulated",
 ]
@@ -311,7 +313,8 @@ def local_partials(counted: Sequence[Any], spec: Spec, backend: Any) -> Local:
     if spec.reproducible:
         binned = partials.BinnedPowerSum(p)
         part = backend.binned_digits(binned, counted)
-        norm, (mant, exp) = binned.summary(part)
+        mant, exp = binned.power(part)
+        norm = root(mant, exp, p)
         return Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
     power, rescue, norm = local_norm(counted, p, backend)
     return Local(counted, count, power, rescue, False, None, norm, backend)
@@ -321,7 +324,7 @@ def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tupl
     """(sum |x|**p, rescue, norm) of one rank's arrays for a finite p, the norm right even
     where the plain sum over- or underflows (the two-pass rescue, on this rank alone)."""
     power, rescue = backend.power_sum(arrays, p)
-    norm = _run_local(rescued(arrays, p, None, backend)) if rescue else partials.root(power, 0, p)
+    norm = _run_local(rescued(arrays, p, None, backend)) if rescue else root(power, 0, p)
     return power, rescue, norm
 
 
@@ -337,9 +340,46 @@ def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch
     own_error = (type(error).__name__, str(error)) if error is not None else None
     reports = yield Gather((own_error, spec.describe(), counting.summary))  # the error path's own round trip
     if any(err is not None for err, _, _ in reports) or mismatch:
-        raise AgreedError.from_reports([(err, args) for err, args, _ in reports], mismatch=mismatch)
+        raise agreed_error([(err, args) for err, args, _ in reports], mismatch=mismatch)
     explain = counting.explain or (lambda _: "ranks disagree on which arrays they hold")
     raise GclipValueError(explain([summary for _, _, summary in reports]))
+
+
+def agreed_error(reports: Sequence[Any], mismatch: bool) -> GclipError:
+    """The one exception every rank raises, built from what each rank reported: ``reports[r]``
+    is rank r's ``(error, arguments)``, error as (type name, message) or None. The class is
+    the failing rank's (a gclip class, or the gclip class that refines a builtin)."""
+    size = len(reports)
+    if mismatch:
+        seen: dict[str, list[int]] = {}
+        for rank, (_, args) in enumerate(reports):
+            seen.setdefault(args, []).append(rank)
+        parts = "; ".join(f"{_ranks(r)}: {args}" for args, r in seen.items())
+        return GclipValueError(one_line(f"ranks disagree on the arguments ({parts})"))
+    bad = [(rank, err) for rank, (err, _) in enumerate(reports) if err is not None]
+    kind, message = bad[0][1]
+    same = [rank for rank, err in bad if err == bad[0][1]]
+    where = f"{_ranks(same)} of {size}"
+    if len(same) < len(bad):
+        where += f" (and {_ranks([r for r, _ in bad if r not in same])} with other errors)"
+    cls = _ERROR_CLASSES.get(kind, GclipError)
+    if cls is GclipError and kind != "GclipError":
+        message = f"{kind}: {message}"
+    return cls(one_line(f"{where}: {message}"))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+_ERROR_CLASSES: dict[str, type[GclipError]] = {
+    "GclipError": GclipError,
+    "GclipValueError": GclipValueError,
+    "ValueError": GclipValueError,
+    "GclipTypeError": GclipTypeError,
+    "TypeError": GclipTypeError,
+    "NonFiniteNormError": NonFiniteNormError,
+}
 
 
 def combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
@@ -356,12 +396,13 @@ def combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
     if local.part is not None:  # reproducible: integer digit counts, exact in any order
         binned = partials.BinnedPowerSum(p)
         got = yield Reduce(local.part if shares else np.zeros_like(local.part))
-        return binned.summary(got)
+        mant, exp = binned.power(got)
+        return root(mant, exp, p), (mant, exp)
     if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
         part = functools.partial(_part, shares=shares)
         norm = yield from rescued(local.counted if shares else (), p, part, local.backend)
         return norm, None
-    return partials.root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum: the default path
+    return root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum: the default path
 
 
 def _part(vec: list[float], fill: float = 0.0, *, shares: bool) -> np.ndarray:
@@ -411,7 +452,7 @@ def rescued(
         if got[1] > 0:
             yield from _agree_late(error)
         s = float(got[0])
-    return top * partials.root(s, 0, p)
+    return top * root(s, 0, p)
 
 
 def _agree_late(error: BaseException | None) -> Step:
@@ -419,7 +460,7 @@ def _agree_late(error: BaseException | None) -> Step:
     raises the same error, naming it."""
     mine = (type(error).__name__, str(error)) if error is not None else None
     reports = yield Gather(mine)
-    raise AgreedError.from_reports([(err, None) for err in reports], mismatch=False)
+    raise agreed_error([(err, None) for err in reports], mismatch=False)
 
 
 def _run_local(program: Step) -> Any:
@@ -429,6 +470,19 @@ def _run_local(program: Step) -> Any:
     except StopIteration as done:
         return done.value
     raise RuntimeError("a local computation asked for a collective")  # pragma: no cover
+
+
+def root(mant: float, exp: int, p: float) -> float:
+    """The norm from a sum of |x|**p given as mant * 2**(p*exp): (mant * 2**(p*exp)) ** (1/p),
+    without overflow in the middle."""
+    mant = float(mant)
+    if mant == 0.0 or not math.isfinite(mant):
+        return mant
+    try:
+        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
+        return math.ldexp(r, exp)
+    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
+        return math.inf
 
 
 def _ldexp(mant: float, exp: int) -> float:

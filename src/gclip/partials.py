@@ -12,7 +12,8 @@ judge and the unit tests (see ``engine``).
   engine takes the two-pass scaled route,
   :func:`max_abs` and :func:`scaled_power_sum`, as LAPACK's dnrm2 would.
 - :func:`max_abs`: the inf-norm's local part.
-- :func:`scale`: the clip's factor, applied to each array in its own dtype.
+- :func:`scale`: the clip's factor, applied to each array in its own dtype
+  (:func:`float32_toward_zero`: the factor float32 values are multiplied by).
 - :class:`BinnedPowerSum`: the reproducible mode. Values are cut into digits on
   a fixed grid of bins (ReproBLAS-style); digit counts are integers, so ranks
   combine them exactly and the result has the same bits for any layout.
@@ -20,13 +21,14 @@ judge and the unit tests (see ``engine``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from fractions import Fraction
 
 import numpy as np
 
-from . import _kernels, policy
+from . import _kernels
 
 __all__ = [
     "BLOCK",
@@ -35,13 +37,13 @@ __all__ = [
     "binned_digits",
     "chunk_size",
     "count",
+    "float32_toward_zero",
     "half_power_sum",
     "iter_chunks",
     "left_to_numpy",
     "max_abs",
     "needs_rescue",
     "power_sum",
-    "root",
     "scale",
     "scaled_power_sum",
 ]
@@ -272,68 +274,53 @@ def scaled_power_sum(arrays: Sequence[np.ndarray], p: float, top: float) -> floa
     return total
 
 
-def root(mant: float, exp: int, p: float) -> float:
-    """(mant * 2**(p*exp)) ** (1/p) without overflow in the middle."""
-    mant = float(mant)
-    if mant == 0.0 or not math.isfinite(mant):
-        return mant
-    try:
-        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
-        return math.ldexp(r, exp)
-    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
-        return math.inf
-
-
-def scale(arrays: Sequence[np.ndarray], factor: float, inplace: bool) -> Sequence[np.ndarray]:
-    """The arrays multiplied by ``factor`` (finite, >= 0), each in its own dtype: in place
-    (the very arrays come back; a factor of exactly 1 touches nothing, not even a read),
-    or into new arrays of the same dtypes (see :func:`_multiply`)."""
-    if inplace:
-        if factor != 1.0:
-            rest: Sequence[np.ndarray] = arrays
-            if len(rest) >= _kernels.MANY:
-                rest = _multiply_many(arrays, factor)
-            for a in rest:
-                _multiply(a, factor, a)
-        return arrays
-    out = []
-    for a in arrays:
-        b = np.empty_like(a)
-        if factor == 1.0:
-            np.copyto(b, a)
-        else:
+def scale(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.ndarray]) -> None:
+    """``out[i] = arrays[i] * factor`` (finite, >= 0), each in its own dtype (see
+    :func:`_multiply`). ``out`` is ``arrays`` itself for an in-place scale: then a factor of
+    exactly 1 touches nothing, not even a read, and many arrays go in one compiled call
+    through the table the argument checks read for them (``_kernels.Checked``)."""
+    if factor == 1.0:
+        if out is not arrays:
+            for a, b in zip(arrays, out):
+                np.copyto(b, a)
+        return
+    table = arrays.table if type(arrays) is _kernels.Checked and arrays.writable and out is arrays else None
+    kernels = _kernels.get() if table is not None and table.compiled else None
+    if kernels is None:
+        for a, b in zip(arrays, out):
             _multiply(a, factor, b)
-        out.append(b)
-    return out
+        return
+    for a in left_to_numpy(arrays, table):  # type: ignore[arg-type]
+        _multiply(a, factor, a)
+    kernels.scale(table, factor, float32_toward_zero(factor))  # type: ignore[arg-type]  # the rest, in one call
 
 
 def _multiply(src: np.ndarray, factor: float, dst: np.ndarray) -> None:
     """dst = src * factor in src's dtype, one pass, no full-size temporary.
 
-    float64: the plain product. float32: the factor rounded toward zero to
-    float32, then one float32 multiply: the factor's rounding never lifts a
-    value, so each result is at most half an ulp above the exact product (the
-    product's own rounding) and less than 2**-23 + 2**-24 below it, relative;
-    the clipped norm is at most limit * (1 + 2**-24). float16: computed in
-    float64 and rounded once (an 11-bit factor would be off by up to 5e-4).
+    float64: the plain product. float32: one float32 multiply by the factor rounded
+    toward zero to float32 (:func:`float32_toward_zero`): the factor's rounding never lifts a value, so
+    each result is at most half an ulp above the exact product (the product's own
+    rounding) and less than 2**-23 + 2**-24 below it, relative; the clipped norm is at
+    most limit * (1 + 2**-24). float16: computed in float64 and rounded once (an
+    11-bit factor would be off by up to 5e-4).
     """
     if src.dtype.itemsize == 8:
         np.multiply(src, factor, out=dst)
     elif src.dtype.itemsize == 4:
-        np.multiply(src, policy.float32_toward_zero(factor), out=dst)
+        np.multiply(src, float32_toward_zero(factor), out=dst)
     else:
         np.multiply(src, factor, out=dst, dtype=np.float64, casting="same_kind")
 
 
-def _multiply_many(arrays: Sequence[np.ndarray], factor: float) -> Sequence[np.ndarray]:
-    """Scales in place, in one compiled call, the arrays the kernels take (as
-    :func:`_multiply` would); returns the others."""
-    kernels = _kernels.get()
-    table = kernels.table_for(arrays, writable=True) if kernels is not None else None
-    if kernels is None or table is None or not table.compiled:
-        return arrays
-    kernels.scale(table, factor, policy.float32_toward_zero(factor))
-    return left_to_numpy(arrays, table)
+@functools.lru_cache(maxsize=8)  # one call asks once per float32 array: the first computes it
+def float32_toward_zero(factor: float) -> np.float32:
+    """The factor rounded to float32 toward zero (never up): what float32 values (and
+    torch's float16 and bfloat16, computed in float32) are multiplied by."""
+    f32: np.float32 = np.float32(factor)
+    if float(f32) > factor:
+        f32 = np.float32(np.nextafter(f32, np.float32(0.0)))
+    return f32
 
 
 _EXTRACTOR = 1.5 * 2.0**52  # (r + M) - M rounds r to an integer, for |r| < 2**51
@@ -507,7 +494,7 @@ class BinnedPowerSum:
         scaled = total * Fraction(2) ** (-self.p * shift)  # exact
         return float(scaled), shift
 
-    def summary(self, combined: np.ndarray) -> tuple[float, tuple[float, int]]:
-        """(norm, power) from one decoding of the digits."""
-        mant, exp = self._power(self.exact(combined))
-        return root(mant, exp, float(self.p)), (mant, exp)
+    def power(self, combined: np.ndarray) -> tuple[float, int]:
+        """The combined sum as (mant, exp), sum = mant * 2**(p*exp), from one decoding of the
+        digits (the engine's ``root`` gives the norm)."""
+        return self._power(self.exact(combined))

@@ -3,8 +3,9 @@
 A zero norm scales by 1 (nothing to clip), and so does an inf or NaN norm: the
 gradient is left untouched and the caller can skip the step. The factor is
 never above the exact quotient, so rounding cannot lift the clipped norm
-above the limit: a subnormal quotient (fewer bits) is rounded toward zero,
-and so is the float32 factor that float32 arrays are multiplied by.
+above the limit: a subnormal quotient (fewer bits) is rounded toward zero (and
+the backends multiply float32 values by the factor rounded toward zero to
+float32: ``partials.float32_toward_zero``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import math
 import sys
 from fractions import Fraction
 
-import numpy as np
-
-__all__ = ["float32_toward_zero", "scale"]
+__all__ = ["scale"]
 
 _SMALLEST_NORMAL = sys.float_info.min
 
@@ -36,11 +35,3 @@ def _down_to_quotient(factor: float, num: float, den: float) -> float:
     while Fraction(factor) * Fraction(den) > Fraction(num):
         factor = math.nextafter(factor, 0.0)
     return factor
-
-
-def float32_toward_zero(factor: float) -> np.float32:
-    """The factor rounded to float32 toward zero (never up)."""
-    f32: np.float32 = np.float32(factor)
-    if float(f32) > factor:
-        f32 = np.float32(np.nextafter(f32, np.float32(0.0)))
-    return f32

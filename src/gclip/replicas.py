@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _validate, engine, partials
 from .comm import Comm
-from .errors import AgreedError, GclipValueError
+from .errors import GclipValueError
 from .layout import _holding, is_flag, is_shard, no_copy_here, ranges
 
 __all__ = ["Row", "check_replicas", "diverged", "explain", "explain_simulated"]
@@ -205,9 +205,9 @@ def _report(error: BaseException | None) -> tuple[str, str] | None:
 
 
 def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> None:
-    """Every rank raises the same error, of the class the failing rank met (see AgreedError)."""
+    """Every rank raises the same error, of the class the failing rank met (see ``engine.agreed_error``)."""
     if any(report is not None for report, _ in gathered):
-        raise AgreedError.from_reports([(report, None) for report, _ in gathered], mismatch=False)
+        raise engine.agreed_error([(report, None) for report, _ in gathered], mismatch=False)
 
 
 def check_replicas(

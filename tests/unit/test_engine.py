@@ -187,3 +187,11 @@ def test_the_hook_runs_a_replaced_step_in_place_of_the_engines_own():
     ]
     outcome, _ = lockstep(mixed)
     assert all(isinstance(e, GclipError) for e in outcome)  # different steps: the fingerprints differ
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5])
+def test_root_inverts_the_power_without_overflow(p):
+    assert engine.root(16.0, 0, p) == pytest.approx(16.0 ** (1 / p), rel=1e-15)
+    # 2**2000 as (1.0, 1000) for p=2: the root is 2**1000
+    assert engine.root(1.0, 1000, 2.0) == 2.0**1000
+    assert engine.root(0.0, 5, p) == 0.0 and math.isinf(engine.root(math.inf, 0, p))

@@ -1,11 +1,13 @@
-"""gclip.errors: the one error every rank raises, built from what each rank reported."""
+"""gclip.errors: one-line messages, and classes that refine the builtins; the one error every
+rank raises, built from what each rank reported (``engine.agreed_error``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from gclip import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
-from gclip.errors import AgreedError, exception_line, one_line
+from gclip.engine import agreed_error
+from gclip.errors import exception_line, one_line
 
 
 def test_the_class_of_the_failing_rank_is_kept():
@@ -15,23 +17,23 @@ def test_the_class_of_the_failing_rank_is_kept():
         ("ValueError", GclipValueError),
         ("NonFiniteNormError", NonFiniteNormError),
     ):
-        err = AgreedError.from_reports([(None, "a"), ((kind, "bad"), "a")], mismatch=False)
+        err = agreed_error([(None, "a"), ((kind, "bad"), "a")], mismatch=False)
         assert type(err) is cls and str(err) == "rank 1 of 2: bad"
 
 
 def test_an_error_of_another_kind_says_its_name():
-    err = AgreedError.from_reports([(("MemoryError", "cannot allocate"), None)] * 3, mismatch=False)
+    err = agreed_error([(("MemoryError", "cannot allocate"), None)] * 3, mismatch=False)
     assert type(err) is GclipError and str(err) == "ranks 0, 1, 2 of 3: MemoryError: cannot allocate"
 
 
 def test_ranks_failing_differently_are_all_named():
     reports = [(("GclipValueError", "x"), None), (None, None), (("GclipTypeError", "y"), None)]
-    err = AgreedError.from_reports(reports, mismatch=False)
+    err = agreed_error(reports, mismatch=False)
     assert str(err) == "rank 0 of 3 (and rank 2 with other errors): x"
 
 
 def test_a_mismatch_names_each_rank_and_its_arguments():
-    err = AgreedError.from_reports([(None, "p=2"), (None, "p=1"), (None, "p=2")], mismatch=True)
+    err = agreed_error([(None, "p=2"), (None, "p=1"), (None, "p=2")], mismatch=True)
     assert isinstance(err, GclipValueError)
     assert str(err) == "ranks disagree on the arguments (ranks 0, 2: p=2; rank 1: p=1)"
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from gclip import partials
+from gclip import engine, partials
 
 
 def exact_power(arrays, p: int) -> Fraction:
@@ -58,14 +58,6 @@ def test_scaled_power_sum_is_exact_relative_to_the_top(scale, p):
     assert got == pytest.approx(float(want), rel=1e-15)
 
 
-@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5])
-def test_root_inverts_the_power_without_overflow(p):
-    assert partials.root(16.0, 0, p) == pytest.approx(16.0 ** (1 / p), rel=1e-15)
-    # 2**2000 as (1.0, 1000) for p=2: the root is 2**1000
-    assert partials.root(1.0, 1000, 2.0) == 2.0**1000
-    assert partials.root(0.0, 5, p) == 0.0 and math.isinf(partials.root(math.inf, 0, p))
-
-
 def test_count_and_chunks_cover_every_element_once():
     arrays = arrays_of(9)
     assert partials.count(arrays) == sum(a.size for a in arrays)
@@ -83,18 +75,18 @@ def test_binned_digits_give_the_exact_sum_for_any_split(p):
     sums = set()
     for cuts in ([values], [values[:10], values[10:]], np.array_split(values, 7)):
         digits = sum(binned.local([c]) for c in cuts)
-        norm, (mant, exp) = binned.summary(digits)
-        sums.add(norm.hex())
+        mant, exp = binned.power(digits)
+        sums.add(mant.hex() + f" {exp}")
         power = Fraction(mant) * Fraction(2) ** (p * exp)  # rounded once, from digits exact to ~2**-76
         assert abs(power - want) <= want * Fraction(2) ** -52
-    assert len(sums) == 1
-    assert float.fromhex(sums.pop()) == pytest.approx(float(want) ** (1.0 / p), rel=2.3e-16)
+    assert len(sums) == 1  # every split: the same bits
+    assert engine.root(mant, exp, float(p)) == pytest.approx(float(want) ** (1.0 / p), rel=2.3e-16)
 
 
 def test_binned_digits_carry_inf_and_nan():
     binned = partials.BinnedPowerSum(2.0)
-    assert binned.summary(binned.local([np.array([1.0, math.inf])]))[0] == math.inf
-    assert math.isnan(binned.summary(binned.local([np.array([math.nan])]))[0])
+    assert binned.power(binned.local([np.array([1.0, math.inf])])) == (math.inf, 0)
+    assert math.isnan(binned.power(binned.local([np.array([math.nan])]))[0])
     with pytest.raises(ValueError, match="reproducible"):
         partials.BinnedPowerSum(3.0)
 
@@ -110,8 +102,8 @@ def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
     rng = np.random.default_rng(7)
     x = (rng.standard_normal(40) * 100).astype(dtype)
     factor = 1.0 / 3.0
-    out = partials.scale([x], factor, inplace=False)[0]
-    assert out.dtype == x.dtype and out is not x
+    out = np.empty_like(x)
+    partials.scale([x], factor, [out])
     for v, got in zip(x.tolist(), out.tolist()):
         exact = Fraction(v) * Fraction(factor)
         half_ulp = Fraction(float(np.finfo(dtype).eps)) / 2  # the product's own rounding, no more
@@ -120,12 +112,37 @@ def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
             assert got == float(exact)  # the plain product, rounded once
 
 
-def test_scale_in_place_gives_back_the_very_arrays_and_one_touches_nothing():
+def test_scale_in_place_by_one_touches_nothing_and_a_copy_is_exact():
     x = np.array([0.1, np.nan, -0.0], dtype=np.float32)
     before = x.tobytes()
-    assert partials.scale([x], 1.0, inplace=True)[0] is x and x.tobytes() == before
-    copy = partials.scale([x], 1.0, inplace=False)[0]
-    assert copy is not x and copy.tobytes() == before
-    many = [np.full(3, 2.0, dtype=np.float32) for _ in range(40)]  # the compiled path (>= MANY arrays)
-    out = partials.scale(many, 0.5, inplace=True)
-    assert out is many and all(np.array_equal(a, np.ones(3)) for a in many)
+    partials.scale([x], 1.0, [x])
+    assert x.tobytes() == before
+    copy = np.empty_like(x)
+    partials.scale([x], 1.0, [copy])
+    assert copy.tobytes() == before
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
+    """The compiled path (>= MANY arrays, through the checks' table) and numpy's, with a float16
+    array and a strided one left to numpy among them: each value as _multiply gives it alone."""
+    from gclip import _kernels, _validate
+
+    monkeypatch.setenv("GCLIP_KERNELS", kernels)
+    _kernels.get.cache_clear()
+    try:
+        rng = np.random.default_rng(3)
+        many = [rng.standard_normal(5).astype(np.float32 if i % 2 else np.float64) for i in range(40)]
+        many[7] = many[7].astype(np.float16)
+        many[9] = rng.standard_normal(10)[::2]
+        alone = []
+        for a in many:
+            b = a.copy()
+            partials.scale([b], 1 / 3, [b])  # one array: never the compiled path
+            alone.append(b)
+        given = _validate.grads(many, inplace=True)
+        assert (type(given.arrays) is _kernels.Checked) == (kernels == "1")
+        given.scaled(1 / 3, inplace=True)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(many, alone))
+    finally:
+        _kernels.get.cache_clear()

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import engine, partials, policy
+from .. import engine, policy
 from ..engine import NormOp
 from ..errors import GclipValueError
 from .usage_bugs import USAGE_BUG_NAMES, USAGE_BUGS, UsageBug
@@ -155,7 +155,7 @@ class Strategy:
             p = spec.norm_type
             power = backend.half_power_sum(counted, p)
             return engine.Local(
-                counted, backend.count(counted), power, norm=partials.root(power, 0, p), backend=backend
+                counted, backend.count(counted), power, norm=engine.root(power, 0, p), backend=backend
             )
         return engine.local_partials(counted, spec, backend)
 
