@@ -193,7 +193,7 @@ def test_a_family_keeps_only_its_cases_and_casts_them():
 def test_nan_is_reported_as_nan():
     import numpy as np
 
-    from gclip.conformance.dverdict import DistCase, _why
+    from gclip.conformance.dist_verdict import DistCase, _why
     from gclip.conformance.outcome import CaseRun, RankRun
 
     given = [[np.array([3.0, 0.0])], [np.array([0.0, 4.0])]]

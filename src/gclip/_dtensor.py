@@ -197,7 +197,7 @@ def _owns(world: Any, e: Placed, spans: dict[int, set[int]]) -> bool:
     info = _info(e.mesh)
     if any(r not in world.ranks for r in info.ranks):
         raise GclipValueError(f"{e.where}: its DeviceMesh has ranks outside comm")
-    mine = True
+    counted_here = True  # along its own mesh: coordinate 0 of every Replicate dimension
     for dim, p in enumerate(e.placements):
         if p.is_partial():
             raise GclipValueError(
@@ -205,7 +205,7 @@ def _owns(world: Any, e: Placed, spans: dict[int, set[int]]) -> bool:
                 "Replicate or Shard) before clipping"
             )
         if p.is_replicate() and info.coord[dim] != 0:
-            mine = False
+            counted_here = False
     root = info.root
     copies = spans[id(root)] - info.spanned  # root dims other DTensors span, this one lacks
     if e.declared not in (None, False):
@@ -224,7 +224,7 @@ def _owns(world: Any, e: Placed, spans: dict[int, set[int]]) -> bool:
                 f"ranks may hold copies or other tensors: declare copies with replicated={names[d]!r}, or "
                 "name the dimension 'pp' if it holds pipeline stages"
             )
-    return mine and all(info.root_coord[d] == 0 for d in copies)
+    return counted_here and all(info.root_coord[d] == 0 for d in copies)
 
 
 def _names_group(world: Any, mesh: Any, names: Any, where: str) -> layout.Group:

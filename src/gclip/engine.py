@@ -246,8 +246,7 @@ def norm_program(
     if error is None:
         try:
             if hook.local_partials is None:
-                mine = counted(arrays, counting.owned)
-                local = local_partials(mine, spec, backend)
+                local = local_partials(counted(arrays, counting.owned), spec, backend)
             else:
                 local = hook.local_partials(arrays, spec, counting.owned, backend)
         except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
@@ -458,8 +457,8 @@ def rescued(
 def _agree_late(error: BaseException | None) -> Step:
     """A rank failed after the header (its flag came in a later collective): every rank
     raises the same error, naming it."""
-    mine = (type(error).__name__, str(error)) if error is not None else None
-    reports = yield Gather(mine)
+    own_error = (type(error).__name__, str(error)) if error is not None else None
+    reports = yield Gather(own_error)
     raise agreed_error([(err, None) for err in reports], mismatch=False)
 
 

@@ -163,13 +163,13 @@ def explain(
     """
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine, error, p = [], None, 2.0
+    records, error, p = [], None, 2.0
     try:
         p = _validate.norm_type(norm_type)
-        mine = _records(grads, replicated, names, rank, size, comm, p)
+        records = _records(grads, replicated, names, rank, size, comm, p)
     except Exception as exc:  # noqa: BLE001 - agreed below, so no rank waits
         error = exc
-    gathered = comm.allgather((_report(error), mine))
+    gathered = comm.allgather((_report(error), records))
     _raise_agreed(gathered)
     return _rows([recs for _, recs in gathered], p)
 
@@ -225,12 +225,12 @@ def check_replicas(
     """
     comm = _validate.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine, error = [], None
+    records, error = [], None
     try:
-        mine = _records(grads, replicated, names, rank, size, comm, 2.0)
+        records = _records(grads, replicated, names, rank, size, comm, 2.0)
     except Exception as exc:  # noqa: BLE001 - agreed below
         error = exc
-    gathered = comm.allgather((_report(error), [(r.name, r.members, r.slot, r.crc) for r in mine]))
+    gathered = comm.allgather((_report(error), [(r.name, r.members, r.slot, r.crc) for r in records]))
     _raise_agreed(gathered)
     problem = diverged([recs for _, recs in gathered])
     if problem:

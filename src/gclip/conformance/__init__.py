@@ -16,7 +16,7 @@ every collective entered (``recorder``); a case that does not finish names
 its ranks (``hangs``) and the judge goes on with a fresh job. ``--torch``
 passes torch parameters and a gloo group; ``--layout`` the lab's model over a
 mesh (``layout_cases``). The expected outputs, and each gallery bug's, come
-from gclip on simulated ranks holding the very same inputs (``dverdict``).
+from gclip on simulated ranks holding the very same inputs (``dist_verdict``).
 
 Both verdicts name the gallery bug an implementation reproduces (its
 *fingerprint*), grade near misses (torch's epsilon, float32 arithmetic) with

@@ -26,7 +26,7 @@ from typing import Any
 from .. import _validate
 from .._lab.cli import ArgParser, UsageError, entry, in_range, internal_error
 from .._lab.jsonout import dumps
-from . import dreport
+from . import dist_report
 from .families import DTYPES, Family
 from .report import as_json, report
 from .target import LoadError, parse_target
@@ -203,11 +203,11 @@ def _distributed(args: Any) -> tuple[bool, str]:
     )
     mode = ("torch-layout" if args.torch else "layout") if layout else "torch" if args.torch else "numpy"
     if args.json:
-        data = dreport.as_json(
+        data = dist_report.as_json(
             verdict, mode=mode, layout=layout, count=args.random, seed=args.seed, timeout=args.timeout
         )
         return verdict.passed, dumps(data)
-    return verdict.passed, "\n".join(dreport.report(verdict, mode=mode, layout=layout, seed=args.seed))
+    return verdict.passed, "\n".join(dist_report.report(verdict, mode=mode, layout=layout, seed=args.seed))
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from ..clip import apply_scale
 from ..gallery import STRATEGIES, TORCH_EPS, clip_simulated
 from . import implied, layout_cases
-from .dverdict import (
+from .dist_verdict import (
     EPSILON,
     FLOAT16_TOTAL,
     FLOAT32,

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from . import hangs, recorder
+from .dist_report import report
+from .dist_verdict import DistVerdict, judge_runs
 from .distributed import rank_cases
-from .dreport import report
-from .dverdict import DistVerdict, judge_runs
 from .families import ALL_CASES, Family
 from .outcome import CaseRun, RankRun, decode
 from .rank import call_numpy

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .dverdict import DistVerdict
+from .dist_verdict import DistVerdict
 from .families import family_lines
 from .report import head, verdict_fields
 from .spread import GROUPS
