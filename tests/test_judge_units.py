@@ -143,6 +143,23 @@ def test_a_scale_off_by_a_rounding_is_said_so_not_as_expected():
     assert loose[1].endswith("as expected")
 
 
+def test_unchanged_values_are_blamed_only_where_the_norm_is_above_max_norm():
+    before = [[np.array([3.0])], [np.array([4.0])]]  # global norm 5
+    kept = [implied.applied(b, b, 1e-11) for b in before]
+    above = implied.unit_lines("rank", kept, [9.0, 16.0], [1, 1], 2.0, 0.4, 5.0, precision=[1e-11] * 2)
+    assert above[1] == "applied: the same left unchanged (scale 1) on every rank"
+    assert above[2] == "  left unchanged although the global norm 5 is above max_norm"
+    # within max_norm the expected scale is 1: values nudged by 1e-9 (float64, told to 1e-11) are
+    # no clip, but not "left unchanged although ... above max_norm" either
+    nudged = [implied.applied(b, [b[0] * (1 - 1e-9)], 1e-11) for b in before]
+    within = implied.unit_lines("rank", nudged, [9.0, 16.0], [1, 1], 10.0, 1.0, 5.0, precision=[1e-11] * 2)
+    assert not any("above max_norm" in line for line in within)
+    assert within[-1] == (
+        "  the global norm 5 is within max_norm: a clip leaves the values as they are, "
+        "and these were scaled by -1e-09 relative"
+    )
+
+
 def test_norms_equal_to_the_global_one_are_no_hint():
     # only rank 0 holds values: its own norm, the sum and the largest of the local norms are the global
     # norm, so a norm off by 6e-8 is a rounding, not one of them

@@ -244,8 +244,13 @@ def unit_lines(
             lines.append(
                 f"  the implied norm is inf, the global norm {global_norm:.6g}: {_overflow(global_norm)}"
             )
-        elif abs(s - 1.0) <= SAME:
+        elif abs(s - 1.0) <= SAME and global_norm > max_norm:
             lines.append(f"  left unchanged although the global norm {global_norm:.6g} is above max_norm")
+        elif abs(s - 1.0) <= SAME:  # nothing to clip, yet the values moved by a rounding's worth
+            lines.append(
+                f"  the global norm {global_norm:.6g} is within max_norm: a clip leaves the values as "
+                f"they are, and these were scaled by {s - 1.0:+.2g} relative"
+            )
         return lines
     lines.append(f"applied: different scales on different {kind}s (a clip must apply one scale everywhere)")
     for u, a in told:
