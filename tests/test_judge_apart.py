@@ -160,3 +160,38 @@ def test_the_layout_judge_runs_the_new_layout_bugs_on_the_lab_model():
             assert float(np.max(np.abs(y - want * x))) <= 1e-12 * float(np.max(np.abs(x))), piece.name
             one.add(round(float(np.dot(z.ravel(), x.ravel()) / np.dot(x.ravel(), x.ravel())), 12))
     assert len(one) == 1 and one.pop() > correct * 1.01
+
+
+def test_diagnose_says_when_float64_values_come_back_rounded_to_float32():
+    from mpi4py import MPI
+
+    from gclip.testing import diagnose
+
+    rng = np.random.default_rng(1)
+    before = [rng.standard_normal(n) * 10 for n in (5, 7, 3, 9)]
+    scale = 1.0 / _norm(before)
+    rounded = [(b * scale).astype(np.float32).astype(np.float64) for b in before]  # a float32 clip
+    assert any(not np.array_equal(r, b * scale) for r, b in zip(rounded, before))  # it did round
+    d = diagnose(before, rounded, 1.0, comm=MPI.COMM_SELF)
+    assert d.grade == "fail" and d.narrowed == (0,)
+    assert "rank 0: float64 values given, float32 values back" in str(d)
+    assert "a clip must apply one scale everywhere" not in str(d)
+    exact = diagnose(before, [b * scale for b in before], 1.0, comm=MPI.COMM_SELF)
+    assert exact.grade == "pass" and exact.narrowed == ()
+    # a split whose two scales are apart by more than float32 rounding: no such note
+    split = [before[0] * scale, before[1] * scale / 2, before[2] * scale, before[3] * scale / 2]
+    assert "float32" not in str(diagnose(before, split, 1.0, comm=MPI.COMM_SELF))
+
+
+def test_a_split_line_tells_its_scales_apart_and_names_float32_rounding():
+    from gclip.conformance import implied
+
+    close = implied.split_line("rank 0", [([0], 0.4 * (1 + 6e-8)), ([1, 2], 0.4)], 2.0)
+    words = close.split(": ", 1)[1].split("; ")
+    assert words[0] != words[1].replace("arrays 1, 2", "array 0")  # the two scales print apart
+    assert close.endswith("(apart by float32 rounding alone: were the values rounded to float32?)")
+    far = implied.split_line("rank 0", [([0], 0.4), ([1], 0.2)], 2.0)
+    assert far == (
+        "  rank 0's arrays were scaled differently: array 0: scale 0.4 (implies norm 5); "
+        "array 1: scale 0.2 (implies norm 10)"
+    )

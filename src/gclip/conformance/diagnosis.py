@@ -46,6 +46,7 @@ class Diagnosis(NamedTuple):
     benign: tuple[str, ...] = ()  # beside the bug: what real code adds (torch's epsilon)
     split: list[list[tuple[list[int], float]]] | None = None  # per rank, where its arrays got
     # different scales: (the arrays, their scale) for each scale; None where every rank used one
+    narrowed: tuple[int, ...] = ()  # the ranks whose float64 values came back rounded to float32
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -137,7 +138,9 @@ def diagnose(
     arrays = [
         (_applied([x], [y], rtol).scale, float(np.sum(np.square(x, dtype=np.float64)))) for x, y in zip(b, a)
     ]
-    table = comm.allgather((mine.scale, mine.uniform, rtol, would, norms["per-rank"], eps, arrays))
+    table = comm.allgather(
+        (mine.scale, mine.uniform, rtol, would, norms["per-rank"], eps, arrays, _narrowed(b, a))
+    )
     scales = [row[0] for row in table]
     uniform = [row[1] for row in table]
     tol = max(row[2] for row in table)
@@ -211,8 +214,24 @@ def diagnose(
         grade,
         benign,
         _per_rank(split, [row[6] for row in table]),
+        tuple(r for r, row in enumerate(table) if row[7]),
     )
     return diag._replace(lines=_lines(diag, limit))
+
+
+def _narrowed(before: list[np.ndarray], after: list[np.ndarray]) -> bool:
+    """Did float64 values come back as float32 ones (each exactly a float32, where some given
+    value was not)? A clip that computes in float32 does that: its scale then looks uneven by
+    float32's rounding."""
+    given = [x for x in before if x.dtype.itemsize == 8 and x.size]
+    if not given or all(np.array_equal(x, x.astype(np.float32)) for x in given):
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):
+        return all(
+            np.array_equal(y, y.astype(np.float32), equal_nan=True)
+            for x, y in zip(before, after)
+            if x.dtype.itemsize == 8
+        )
 
 
 def _split(arrays: list[list[tuple[float | None, float]]], tol: float) -> list[float] | None:
@@ -302,12 +321,16 @@ def _lines(d: Diagnosis, limit: float) -> list[str]:
         lines.append(f"  rank {r}: {words}{'' if ok else ', not one scale for all its values'}")
     for r, sets in enumerate(d.split or []):
         if len(sets) > 1:
-            parts = "; ".join(
-                f"array{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}: {implied.scale_words(s, limit)}"
-                for ids, s in sets
-            )
-            lines.append(f"  rank {r}'s arrays were scaled differently: {parts}")
-    if d.same_scale and not all(d.uniform):
+            lines.append(implied.split_line(f"rank {r}", sets, limit))
+    for r in d.narrowed:
+        lines.append(
+            f"  rank {r}: float64 values given, float32 values back: the clip computed in float32 "
+            "(its scale looks uneven by float32's rounding; a float64 clip keeps float64's precision)"
+        )
+    uneven = [r for r, ok in enumerate(d.uniform) if not ok]
+    if d.same_scale and uneven and set(uneven) <= set(d.narrowed):
+        lines.append("  every rank applied the same scale, up to float32's rounding of the values")
+    elif d.same_scale and uneven:
         lines.append("  a rank's values got different scales: a clip must apply one scale everywhere")
     elif d.same_scale:
         lines.append("  every rank applied the same scale")

@@ -443,13 +443,8 @@ def _split_lines(case: DistCase, run: CaseRun) -> list[str]:
         sets = _scale_sets(mine, max(rtol, implied.SAME))
         if len(sets) < 2:
             continue
-        parts = []
-        for members in sets:
-            s = scales[members[0]]
-            which = ", ".join(str(i) for _, i in sorted(members))
-            words = implied.scale_words(s, case.max_norm)
-            parts.append(f"array{'s' * (len(members) > 1)} {which}: {words}")
-        lines.append(f"  rank {r}'s arrays were scaled differently: {'; '.join(parts)}")
+        parts = [([i for _, i in sorted(members)], scales[members[0]]) for members in sets]
+        lines.append(implied.split_line(f"rank {r}", parts, case.max_norm))
     return lines
 
 

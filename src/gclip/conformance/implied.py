@@ -26,6 +26,7 @@ __all__ = [
     "norm_hints",
     "same_scale",
     "scale_words",
+    "split_line",
     "unit_lines",
 ]
 
@@ -97,6 +98,26 @@ def digits_to_tell(a: float, b: float, same: float = SAME) -> int:
     if gap <= same or gap >= 1e-5:
         return 6
     return min(15, math.ceil(-math.log10(gap)) + 2)
+
+
+FLOAT32_ROUNDING = 2.0**-21  # scales this close (relative) may differ by float32 roundings alone
+
+
+def split_line(unit: str, sets: Sequence[tuple[Sequence[int], float | None]], max_norm: float) -> str:
+    """'  rank 0's arrays were scaled differently: array 0: scale 0.4 (implies norm 5); arrays 1, 2:
+    ...', each scale with the digits that tell it from the others; where they are apart by no more
+    than float32 roundings, it says so (values rounded to float32 on the way give such scales)."""
+    scales = [s for _, s in sets if s is not None]
+    digits = max([digits_to_tell(a, b) for a in scales for b in scales] or [6])
+    parts = "; ".join(
+        f"array{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}: {scale_words(s, max_norm, digits)}"
+        for ids, s in sets
+    )
+    line = f"  {unit}'s arrays were scaled differently: {parts}"
+    top = max(scales, default=0.0)
+    if len(scales) > 1 and top > 0 and (top - min(scales)) / top <= FLOAT32_ROUNDING:
+        line += " (apart by float32 rounding alone: were the values rounded to float32?)"
+    return line
 
 
 def norm_hints(
