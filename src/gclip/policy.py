@@ -1,11 +1,13 @@
 """The scale rule: the one factor every rank applies, min(1, max_norm / norm).
 
 A zero norm scales by 1 (nothing to clip), and so does an inf or NaN norm: the
-gradient is left untouched and the caller can skip the step. The factor is
-never above the exact quotient, so rounding cannot lift the clipped norm
-above the limit: a subnormal quotient (fewer bits) is rounded toward zero (and
-the backends multiply float32 values by the factor rounded toward zero to
-float32: ``partials.float32_toward_zero``).
+gradient is left untouched and the caller can skip the step. The factor is the
+plain quotient, rounded to nearest: at most half an ulp (2**-53, relative) from
+the exact one, either way. A subnormal quotient has fewer bits, and rounded to
+nearest it could lift the clipped norm by up to 1e-11 relative, so it is rounded
+toward zero instead (factor * norm <= max_norm exactly). The backends multiply
+float32 values by the factor rounded toward zero to float32
+(``partials.float32_toward_zero``), so that rounding never lifts a value.
 """
 
 from __future__ import annotations

@@ -146,3 +146,12 @@ def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(many, alone))
     finally:
         _kernels.get.cache_clear()
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, 0.1, 1 / 3, 0.3, 2.0**-130, 1e-45, 3e38, 1e300, 0.0])
+def test_the_float32_factor_is_the_largest_float32_not_above_the_factor(factor):
+    f32 = partials.float32_toward_zero(factor)
+    assert type(f32) is np.float32
+    assert Fraction(float(f32)) <= Fraction(factor)
+    up = np.nextafter(f32, np.float32(np.inf))
+    assert not np.isfinite(up) or Fraction(float(up)) > Fraction(factor)
