@@ -66,6 +66,7 @@ def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
 
 _FLOAT64 = np.dtype(np.float64)
 _FLOAT32 = np.dtype(np.float32)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 # ---------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def _multiply(src: np.ndarray, factor: float, dst: np.ndarray) -> None:
 def float32_toward_zero(factor: float) -> np.float32:
     """The factor rounded to float32 toward zero (never up): what float32 values (and
     torch's float16 and bfloat16, computed in float32) are multiplied by."""
-    f32: np.float32 = np.float32(factor)
+    f32: np.float32 = np.float32(min(factor, _FLOAT32_MAX))  # gclip.scale's may be beyond float32
     if float(f32) > factor:
         f32 = np.float32(np.nextafter(f32, np.float32(0.0)))
     return f32
