@@ -93,9 +93,9 @@ def _overlaps(t: Table) -> bool:
 class Checked(list[np.ndarray]):
     """A list of arrays with the table the argument checks read for it on this call.
 
-    It is gclip's own copy of the caller's list, so nothing changes it before the
-    call ends; the sum, the scale and the digits reuse the table instead of reading
-    the headers again."""
+    It is gclip's own list (the caller's arrays, or the distinct arrays read from
+    them), so nothing changes it before the call ends; the sum, the scale and the
+    digits reuse the table instead of reading the headers again."""
 
     table: Table
     writable: bool  # read with the writable flag required (good for an in-place scale)

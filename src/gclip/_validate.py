@@ -298,6 +298,8 @@ def _unaliased(items: Sequence[Any], arrays: list[np.ndarray], container: type) 
     views = False
     for i, (item, a) in enumerate(zip(items, arrays)):
         first = first_of.setdefault(id(item), i)
+        if first == i:  # two wrappers (``__array__``) may give the very same array: one array
+            first = first_of.setdefault(id(a), i)
         if first != i:
             same[i] = first
         elif a.base is not None:

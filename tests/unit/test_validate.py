@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+import gclip
 from gclip import GclipTypeError, GclipValueError, _validate
 
 
@@ -110,3 +111,24 @@ def test_rebuild_keeps_the_layout_given():
         out = given.rebuild([x * 2 for x in given.arrays])
         assert type(out) is container and len(out) == 3 and out[0] is out[2]
     assert _validate.grads(a, inplace=False).rebuild([b]) is b
+
+
+class _Wrapper:
+    """An object numpy reads through ``__array__``: the very array it wraps, each time."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array
+
+
+@pytest.mark.parametrize("n", [2, 20])  # the per-item path, and a list long enough for the kernels
+def test_two_wrappers_of_one_array_are_one_array(n):
+    a = np.array([3.0, 4.0])
+    items = [_Wrapper(a), _Wrapper(a)] + [np.zeros(1) for _ in range(n - 2)]
+    given = _validate.grads(items, inplace=True)
+    assert len(given.arrays) == n - 1 and given.slots[:2] == (0, 0)
+    given.scaled(0.5, inplace=True)
+    assert a.tolist() == [1.5, 2.0]  # scaled once, not twice
+    assert gclip.clip_simulated([[_Wrapper(a), _Wrapper(a)]], 1.0)[0].total_norm == 2.5  # counted once
