@@ -465,8 +465,8 @@ def test_clip_with_norm_after_global_norm_is_the_clip(self_comm):
 @pytest.mark.parametrize("inplace", [True, False])
 def test_apply_scale_one_touches_nothing(monkeypatch, inplace):
     calls = []
-    real = partials._multiply
-    monkeypatch.setattr(partials, "_multiply", lambda *a: calls.append(1) or real(*a))
+    real = partials._multiply_one
+    monkeypatch.setattr(partials, "_multiply_one", lambda *a: calls.append(1) or real(*a))
     x = np.array([0.1, np.nan, -0.0], dtype=np.float32)
     before = x.copy()
     out = gclip.apply_scale(x, 1.0, inplace=inplace)

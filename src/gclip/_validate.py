@@ -142,12 +142,12 @@ class Grads(NamedTuple):
         return self.source
 
     def scaled(self, factor: float, inplace: bool) -> Any:
-        """The arrays multiplied by ``factor`` (``partials.scale``), in the layout given: in
+        """The arrays multiplied by ``factor`` (``partials.multiply``), in the layout given: in
         place, the very objects given (a factor of exactly 1 touches nothing); else new arrays
         of the same dtypes, laid out as given, then filled."""
         out = self.arrays if inplace else [np.empty_like(a) for a in self.arrays]
         result = self.source if inplace else self.rebuild(out)
-        partials.scale(self.arrays, factor, out)
+        partials.multiply(self.arrays, factor, out)
         return result
 
 

@@ -103,7 +103,7 @@ def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
     x = (rng.standard_normal(40) * 100).astype(dtype)
     factor = 1.0 / 3.0
     out = np.empty_like(x)
-    partials.scale([x], factor, [out])
+    partials.multiply([x], factor, [out])
     for v, got in zip(x.tolist(), out.tolist()):
         exact = Fraction(v) * Fraction(factor)
         half_ulp = Fraction(float(np.finfo(dtype).eps)) / 2  # the product's own rounding, no more
@@ -115,17 +115,17 @@ def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
 def test_scale_in_place_by_one_touches_nothing_and_a_copy_is_exact():
     x = np.array([0.1, np.nan, -0.0], dtype=np.float32)
     before = x.tobytes()
-    partials.scale([x], 1.0, [x])
+    partials.multiply([x], 1.0, [x])
     assert x.tobytes() == before
     copy = np.empty_like(x)
-    partials.scale([x], 1.0, [copy])
+    partials.multiply([x], 1.0, [copy])
     assert copy.tobytes() == before
 
 
 @pytest.mark.parametrize("kernels", ["1", "0"])
 def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
     """The compiled path (>= MANY arrays, through the checks' table) and numpy's, with a float16
-    array and a strided one left to numpy among them: each value as _multiply gives it alone."""
+    array and a strided one left to numpy among them: each value as _multiply_one gives it alone."""
     from gclip import _kernels, _validate
 
     monkeypatch.setenv("GCLIP_KERNELS", kernels)
@@ -138,7 +138,7 @@ def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
         alone = []
         for a in many:
             b = a.copy()
-            partials.scale([b], 1 / 3, [b])  # one array: never the compiled path
+            partials.multiply([b], 1 / 3, [b])  # one array: never the compiled path
             alone.append(b)
         given = _validate.grads(many, inplace=True)
         assert (type(given.arrays) is _kernels.Checked) == (kernels == "1")
