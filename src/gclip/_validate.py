@@ -145,7 +145,7 @@ class Grads(NamedTuple):
         """The arrays multiplied by ``factor`` (``partials.multiply``), in the layout given: in
         place, the very objects given (a factor of exactly 1 touches nothing); else new arrays
         of the same dtypes, laid out as given, then filled."""
-        out = self.arrays if inplace else [np.empty_like(a) for a in self.arrays]
+        out = self.arrays if inplace else list(map(np.empty_like, self.arrays))
         result = self.source if inplace else self.rebuild(out)
         partials.multiply(self.arrays, factor, out)
         return result
@@ -220,14 +220,16 @@ def grads(value: Any, inplace: bool) -> Grads:
         else _array(g, f"grads[{i}]", inplace)  # the common case above, checked in one line
         for i, g in enumerate(items)
     ]
-    given = _unaliased(items, arrays, container)
-    return given._replace(arrays=_with_table(given.arrays, inplace), source=items)
+    given = _unaliased(items, arrays, container)._replace(source=items)
+    return (
+        given._replace(arrays=_with_table(given.arrays, inplace)) if len(arrays) >= _kernels.MANY else given
+    )
 
 
 def _with_table(arrays: list[np.ndarray], inplace: bool) -> list[np.ndarray]:
     """Many arrays, with the compiled kernels' table read once here for the whole call (its sum,
     its digits and its in-place scale); the arrays as they are otherwise."""
-    kernels = _kernels.get() if len(arrays) >= _kernels.MANY else None
+    kernels = _kernels.get()
     table = kernels.table(arrays, writable=inplace) if kernels is not None else None
     if table is None or not table.compiled:
         return arrays
@@ -298,7 +300,7 @@ def _unaliased(items: Sequence[Any], arrays: list[np.ndarray], container: type) 
     views = False
     for i, (item, a) in enumerate(zip(items, arrays)):
         first = first_of.setdefault(id(item), i)
-        if first == i:  # two wrappers (``__array__``) may give the very same array: one array
+        if first == i and a is not item:  # two wrappers (``__array__``) may give the very same array
             first = first_of.setdefault(id(a), i)
         if first != i:
             same[i] = first
