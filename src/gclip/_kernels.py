@@ -136,7 +136,7 @@ class Kernels:
     def sumsq(self, t: Table) -> float:
         return float(self.fns.sumsq_table(t.ptr, t.size, t.kind))
 
-    def multiply(self, t: Table, s64: float, s32: np.float32) -> None:
+    def multiply_table(self, t: Table, s64: float, s32: np.float32) -> None:
         self.fns.scale_table(t.ptr, t.size, t.kind, s64, s32)
 
     def digits(self, t: Table, p: int, counts: np.ndarray, width: int, bin_lo: int) -> float:

@@ -4,7 +4,7 @@ A parameter's ``.grad`` (None skipped, as torch does) or a tensor itself; a
 DTensor as its local tensor and the entry its placements imply (``gclip._dtensor``).
 The same gradient given twice counts and is scaled once; two that overlap in memory
 in part are an error. :func:`backend`'s reader gives back :class:`Gradients`, which
-scale themselves in place (``_torch_partials.multiply``): the torch backend, whole.
+scale themselves in place (``_torch_partials.multiply_by``): the torch backend, whole.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Gradients(NamedTuple):
 
     def scaled(self, factor: float, inplace: bool) -> None:
         """Each gradient multiplied in place by ``factor`` (torch's clip is always in place)."""
-        _torch_partials.multiply(self.tensors, factor, self.foreach)
+        _torch_partials.multiply_by(self.tensors, factor, self.foreach)
 
 
 def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, foreach: bool | None) -> Any:

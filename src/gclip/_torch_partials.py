@@ -36,7 +36,7 @@ __all__ = [
     "digits_with_torch_ops",
     "half_power_sum",
     "max_abs",
-    "multiply",
+    "multiply_by",
     "power_sum",
     "scaled_power_sum",
 ]
@@ -215,7 +215,7 @@ def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
     return float(total)
 
 
-def multiply(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | None) -> None:
+def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | None) -> None:
     """Multiply each tensor in place, in its own dtype, by ``factor`` rounded toward zero.
 
     float64: the product, rounded once. float32, float16 and bfloat16: torch

@@ -142,12 +142,12 @@ class Grads(NamedTuple):
         return self.source
 
     def scaled(self, factor: float, inplace: bool) -> Any:
-        """The arrays multiplied by ``factor`` (``partials.multiply``), in the layout given: in
+        """The arrays multiplied by ``factor`` (``partials.multiply_by``), in the layout given: in
         place, the very objects given (a factor of exactly 1 touches nothing); else new arrays
         of the same dtypes, laid out as given, then filled."""
         out = self.arrays if inplace else list(map(np.empty_like, self.arrays))
         result = self.source if inplace else self.rebuild(out)
-        partials.multiply(self.arrays, factor, out)
+        partials.multiply_by(self.arrays, factor, out)
         return result
 
 

@@ -12,7 +12,7 @@ judge and the unit tests (see ``engine``).
   engine takes the two-pass scaled route,
   :func:`max_abs` and :func:`scaled_power_sum`, as LAPACK's dnrm2 would.
 - :func:`max_abs`: the inf-norm's local part.
-- :func:`multiply`: the clip's factor, applied to each array in its own dtype
+- :func:`multiply_by`: the clip's factor, applied to each array in its own dtype
   (:func:`float32_toward_zero`: the factor float32 values are multiplied by).
 - :class:`BinnedPowerSum`: the reproducible mode. Values are cut into digits on
   a fixed grid of bins (ReproBLAS-style); digit counts are integers, so ranks
@@ -42,7 +42,7 @@ __all__ = [
     "iter_chunks",
     "left_to_numpy",
     "max_abs",
-    "multiply",
+    "multiply_by",
     "needs_rescue",
     "power_sum",
     "scaled_power_sum",
@@ -275,7 +275,7 @@ def scaled_power_sum(arrays: Sequence[np.ndarray], p: float, top: float) -> floa
     return total
 
 
-def multiply(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.ndarray]) -> None:
+def multiply_by(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.ndarray]) -> None:
     """``out[i] = arrays[i] * factor`` (finite, >= 0), each in its own dtype (see
     :func:`_multiply_one`). ``out`` is ``arrays`` itself for an in-place scale: then a factor of
     exactly 1 touches nothing, not even a read, and many arrays go in one compiled call
@@ -297,7 +297,7 @@ def multiply(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.ndarr
     f32 = float32_toward_zero(factor)
     for a in left_to_numpy(arrays, table):  # type: ignore[arg-type]
         _multiply_one(a, factor, f32, a)
-    kernels.multiply(table, factor, f32)  # type: ignore[arg-type]  # the rest, in one call
+    kernels.multiply_table(table, factor, f32)  # type: ignore[arg-type]  # the rest, in one call
 
 
 def _multiply_one(src: np.ndarray, factor: float, f32: np.float32 | None, dst: np.ndarray) -> None:

@@ -22,7 +22,7 @@ rank, and any rank's bad input raised as the same error on every rank.
 - Partials are computed where each tensor lives (``gclip._torch_partials``):
   float64 accumulation in bounded chunks, one sync per device; only the
   header's few numbers cross to the host; the scale is applied on the device,
-  each gradient in its own dtype (``_torch_partials.multiply``).
+  each gradient in its own dtype (``_torch_partials.multiply_by``).
 - The norm comes back as a float64 0-d tensor on the first gradient's device:
   its value is the float64 global norm (torch returns the gradients' dtype).
 
@@ -243,7 +243,7 @@ def clip_grads_with_norm_(
     """
     scale = clip.clip_scale(total_norm, max_norm)
     grads = _torch_gradients.gradients(parameters, None, of_parameters=True).tensors
-    _torch_partials.multiply(grads, scale, foreach)
+    _torch_partials.multiply_by(grads, scale, foreach)
 
 
 @torch.no_grad()

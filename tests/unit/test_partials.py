@@ -103,7 +103,7 @@ def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
     x = (rng.standard_normal(40) * 100).astype(dtype)
     factor = 1.0 / 3.0
     out = np.empty_like(x)
-    partials.multiply([x], factor, [out])
+    partials.multiply_by([x], factor, [out])
     for v, got in zip(x.tolist(), out.tolist()):
         exact = Fraction(v) * Fraction(factor)
         half_ulp = Fraction(float(np.finfo(dtype).eps)) / 2  # the product's own rounding, no more
@@ -115,10 +115,10 @@ def test_scale_never_lifts_a_value_above_the_exact_product(dtype):
 def test_scale_in_place_by_one_touches_nothing_and_a_copy_is_exact():
     x = np.array([0.1, np.nan, -0.0], dtype=np.float32)
     before = x.tobytes()
-    partials.multiply([x], 1.0, [x])
+    partials.multiply_by([x], 1.0, [x])
     assert x.tobytes() == before
     copy = np.empty_like(x)
-    partials.multiply([x], 1.0, [copy])
+    partials.multiply_by([x], 1.0, [copy])
     assert copy.tobytes() == before
 
 
@@ -138,7 +138,7 @@ def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
         alone = []
         for a in many:
             b = a.copy()
-            partials.multiply([b], 1 / 3, [b])  # one array: never the compiled path
+            partials.multiply_by([b], 1 / 3, [b])  # one array: never the compiled path
             alone.append(b)
         given = _validate.grads(many, inplace=True)
         assert (type(given.arrays) is _kernels.Checked) == (kernels == "1")
