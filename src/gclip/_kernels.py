@@ -75,7 +75,9 @@ class Table(NamedTuple):
     compiled: int  # entries of a kind the kernels take
 
     def overlaps(self) -> bool:
-        """Do any two compiled entries share memory (the same array twice included)?"""
+        """Do any two compiled entries share memory (the same array twice included)? A yes or no
+        for the whole list at once, vectorised: where it says yes, the checks read the list item
+        by item and ``_validate.same_memory`` says which arrays, and whether they are repeats."""
         return bool(_overlaps(self))
 
 
