@@ -159,14 +159,6 @@ def test_the_layout_check_rides_in_the_header():
     from gclip import engine
 
     ranks, entries, _, _ = simulate(4, dict(dp=2, tp=2))
-    calls = []
-    original = engine.run_simulated
-
-    def counting(programs):
-        programs = list(programs)
-        calls.append(len(programs))
-        return original(programs)
-
     requests = []
     progs = []
     for r, (arrays, reps) in enumerate(zip(ranks, entries)):

@@ -4,7 +4,7 @@ A front end (``clip`` for numpy arrays, ``torch`` for tensors; DTensor next,
 through ``torch``'s gradients) names its :class:`Backend` (how its arguments are
 read, where the partials are computed) and its :class:`Driver` (MPI,
 torch.distributed), and calls :func:`run`; simulated ranks run R :func:`program`
-together (``engine.run_simulated``). The program flows top-down, from the
+together (``drivers.run_simulated``). The program flows top-down, from the
 arguments to the result, without handing anything back to the front end:
 
 1. the checks: the scalar settings (once per setting: a training loop passes the
@@ -89,7 +89,7 @@ Program = Generator["engine.Reduce | engine.Gather", Any, Done]
 
 
 class Driver(Protocol):
-    """What runs a program on one rank: ``engine.Mpi``, ``gclip.torch``'s torch.distributed groups."""
+    """What runs a program on one rank: ``drivers.Mpi``, ``gclip.torch``'s torch.distributed groups."""
 
     rank: int
     size: int
@@ -115,7 +115,7 @@ def program(
     **options: Any,
 ) -> Program:
     """One rank's call on ``backend``'s arrays, from its arguments to its result, as a
-    program that a driver runs (``engine.run_mpi``, ``engine.run_simulated``,
+    program that a driver runs (``drivers.run_mpi``, ``drivers.run_simulated``,
     ``gclip.torch``'s torch.distributed).
 
     ``options``: ``norm_type``, ``steps`` (the engine's hook), ``inplace``,

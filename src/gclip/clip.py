@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from . import _validate, call, engine, policy
+from . import _validate, call, drivers, engine, policy
 from .comm import Comm
 from .errors import GclipValueError
 
@@ -90,7 +90,7 @@ def global_norm(
 
 def norm_by(steps: engine.Steps, grads: Any, *, comm: Any = None, **settings: Any) -> float:
     """:func:`global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    mpi = engine.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(_validate.communicator(comm))
     return call.run(grads, call.NO_LIMIT, mpi, comm=mpi.comm, steps=steps, **settings).info.norm
 
 
@@ -140,7 +140,7 @@ def clip_by(
     steps: engine.Steps, grads: Any, max_norm: float, *, comm: Any = None, **settings: Any
 ) -> ClipResult:
     """:func:`clip_by_global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    mpi = engine.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(_validate.communicator(comm))
     done = call.run(grads, max_norm, mpi, comm=mpi.comm, steps=steps, **settings)
     info = done.info
     return ClipResult(
@@ -201,7 +201,7 @@ def clip_simulated_by(
         )
         for r, g in enumerate(ranks)
     ]
-    return [_result(done) for done in engine.run_simulated(programs)]
+    return [_result(done) for done in drivers.run_simulated(programs)]
 
 
 def _result(done: call.Done) -> ClipResult:

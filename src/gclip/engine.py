@@ -1,28 +1,23 @@
 """The clip as a program over ranks: local -> combine -> finish.
 
 A norm computation is written once, as a generator that yields the collectives
-it needs (:class:`Reduce`, :class:`Gather`) and receives their results. Two
-drivers run it:
-
-- :func:`drive` on one real rank, given its all-reduce and all-gather:
-  :func:`run_mpi` (the :class:`Mpi` driver) gives it mpi4py's (one buffer-based
-  ``Allreduce`` per ``Reduce``), ``gclip.torch`` gives it torch.distributed's;
-- :func:`run_simulated` for R simulated ranks in one process (the judge, the
-  seed contract and the unit tests), combining the R yields in lockstep.
+it needs (:class:`Reduce`, :class:`Gather`) and receives their results; a
+driver (``gclip.drivers``: MPI, simulated ranks; ``gclip.torch``'s
+torch.distributed) runs it, sending each collective where the ranks are.
 
 The steps of a program (local, combine, finish, scale) are this module's own
 functions, the correct clip; :class:`Steps` is the hook where a caller replaces
 some of them. The core runs :data:`CORRECT`, which replaces none; the lab's
-gallery installs its bugs through the hook, the very same code on both drivers.
+gallery installs its bugs through the hook, the very same code on every driver.
 Every program starts with the same fixed-size SUM all-reduce, the
 *header*: it carries this rank's error flag, a fingerprint of its arguments,
 its element count and (for finite p) its whole sum of |x|**p. So in the default
 L2 path the header IS the one collective, and whatever goes wrong on one rank
 (bad input, different arguments) is known to every rank at the same moment:
-all raise the same error, none is left waiting. Only the inf-norm, the
-reproducible mode, the overflow rescue and the gallery's norm-sharing bugs (which
-combine local norms, not powers) need a second, config-dependent collective,
-which comes after the header has agreed on the config.
+all raise the same error (:func:`agreed_error`), none is left waiting. Only the
+inf-norm, the reproducible mode, the overflow rescue and the gallery's
+norm-sharing bugs (which combine local norms, not powers) need a second,
+config-dependent collective, which comes after the header has agreed on the config.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from . import partials
-from .comm import Comm
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError, one_line
 
 __all__ = [
@@ -48,7 +42,6 @@ __all__ = [
     "Counting",
     "Gather",
     "Local",
-    "Mpi",
     "NormInfo",
     "NormOp",
     "Program",
@@ -58,14 +51,11 @@ __all__ = [
     "agreed_error",
     "combine",
     "counted",
-    "drive",
     "local_norm",
     "local_partials",
     "norm_program",
     "rescued",
     "root",
-    "run_mpi",
-    "run_simulated",
 ]
 
 
@@ -489,90 +479,3 @@ def _ldexp(mant: float, exp: int) -> float:
         return math.ldexp(mant, exp)
     except OverflowError:
         return math.inf
-
-
-# ---------------------------------------------------------------------------
-# drivers
-
-
-def drive(
-    program: Generator[Reduce | Gather, Any, T],
-    all_reduce: Callable[[np.ndarray, NormOp], np.ndarray],
-    all_gather: Callable[[Any], list[Any]],
-) -> T:
-    """Run a program on one rank: each Reduce through ``all_reduce(data, op)``, each Gather
-    through ``all_gather(item)`` (a driver: MPI here, torch.distributed in ``gclip.torch``).
-    Returns what the program returns (a NormInfo; ``gclip.call``'s programs: the call's result)."""
-    try:
-        request = next(program)
-        while True:
-            if type(request) is Reduce:
-                request = program.send(all_reduce(request.data, request.op))
-            else:
-                request = program.send(all_gather(request.item))  # type: ignore[union-attr]
-    except StopIteration as done:
-        result: T = done.value
-        return result
-
-
-class Mpi:
-    """The MPI driver: runs programs on this rank of an mpi4py communicator, one buffer-based
-    ``Allreduce`` per ``Reduce``."""
-
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-
-    def run(self, program: Generator[Reduce | Gather, Any, T]) -> T:
-        return drive(program, self._all_reduce, self.comm.allgather)
-
-    def _all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
-        MPI = _mpi()
-        out = np.empty(data.size)
-        self.comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
-        return out
-
-
-def run_mpi(program: Generator[Reduce | Gather, Any, T], comm: Comm) -> T:
-    """Run a program on this rank of ``comm`` (mpi4py)."""
-    return Mpi(comm).run(program)
-
-
-@functools.lru_cache(maxsize=1)
-def _mpi() -> Any:
-    """mpi4py.MPI, imported on first use: simulated runs (the judge) never start MPI."""
-    from mpi4py import MPI
-
-    return MPI
-
-
-def run_simulated(programs: Sequence[Generator[Reduce | Gather, Any, T]]) -> list[T]:
-    """Run R programs in lockstep, as R ranks would, in one process."""
-    results: list[Any] = [None] * len(programs)
-    requests: list[Any] = []
-    for i, prog in enumerate(programs):
-        try:
-            requests.append(next(prog))
-        except StopIteration as done:  # pragma: no cover - every program yields the header
-            results[i] = done.value
-    while any(r is not None for r in requests):
-        first = requests[0]
-        if any(type(r) is not type(first) for r in requests):
-            raise RuntimeError("simulated ranks diverged")  # pragma: no cover - a gclip bug
-        if isinstance(first, Reduce):
-            stack = np.stack([r.data for r in requests])
-            reply: Any = stack.max(axis=0) if first.op is NormOp.MAX else stack.sum(axis=0)
-        else:
-            reply = [r.item for r in requests]
-        errors: list[BaseException] = []
-        for i, prog in enumerate(programs):
-            try:
-                requests[i] = prog.send(reply.copy() if isinstance(reply, np.ndarray) else reply)
-            except StopIteration as done:
-                requests[i], results[i] = None, done.value
-            except GclipError as exc:
-                requests[i] = None
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-    return results

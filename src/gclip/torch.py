@@ -50,6 +50,7 @@ from . import (
     _validate,
     call,
     clip,
+    drivers,
     engine,
     layout,
 )
@@ -70,7 +71,7 @@ __all__ = [
 # the communicator: mpi4py, or a torch.distributed process group
 
 
-class _Mpi(engine.Mpi):
+class _Mpi(drivers.Mpi):
     """An mpi4py communicator: the engine's MPI driver."""
 
     def group(self, entry: Any, index: int) -> layout.Group:
@@ -91,7 +92,7 @@ class _TorchGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def run(self, program: call.Program) -> call.Done:
-        return engine.drive(program, self._all_reduce, self._all_gather)
+        return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
         buf = torch.tensor(data, dtype=torch.float64, device=self.device)

@@ -11,7 +11,7 @@ import numpy as np
 from typing_extensions import assert_type
 
 import gclip
-from gclip import engine
+from gclip import drivers, engine
 from gclip.comm import Comm
 
 a = np.ones(3)
@@ -41,6 +41,6 @@ class OneRank:
 
 comm: Comm = OneRank()
 program = engine.norm_program([a], engine.Spec(engine.CORRECT, 2.0, False), rank=0, size=1)
-assert_type(engine.run_mpi(program, comm), engine.NormInfo)
+assert_type(drivers.run_mpi(program, comm), engine.NormInfo)
 assert_type(gclip.global_norm([a], comm=comm), float)
 assert_type(gclip.replicas.explain([a], comm=comm), list[gclip.replicas.Row])

@@ -11,7 +11,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from gclip import GclipTypeError, call, engine
+from gclip import GclipTypeError, call, drivers, engine
 from unit.test_engine import lockstep
 
 
@@ -24,7 +24,7 @@ class FakeDriver:
         self.collectives: list[object] = []
 
     def run(self, program):
-        return engine.drive(program, self._reduce, lambda item: [item])
+        return drivers.drive(program, self._reduce, lambda item: [item])
 
     def _reduce(self, data, op):
         self.collectives.append(op)
