@@ -12,7 +12,7 @@ call. The kernels compute what the numpy code in ``partials`` computes:
   keeps, the very integers of the numpy folds (the same round-half-even
   extraction; a top bin per block of KERNEL_BLOCK_BYTES where numpy's blocks
   hold BLOCK values, which changes no digit the result keeps);
-- ``scale``: x *= s in place (float32 arrays by the float32 scale given).
+- ``multiply_table``: x *= s in place (float32 arrays by the float32 scale given).
 
 A list of arrays goes in one call through a :class:`Table` of (address, size,
 kind) that :func:`Kernels.table` reads from the arrays themselves on every call:

@@ -2,7 +2,7 @@
 
 The engine's backend for ``gclip.torch`` (see ``engine.norm_program``): the
 same functions as ``partials`` (count, power_sum, max_abs, scaled_power_sum,
-half_power_sum, binned_digits, scale), computed with torch ops. Every sum is
+half_power_sum, binned_digits, multiply_by), computed with torch ops. Every sum is
 accumulated in float64; a float16, bfloat16 or float32 tensor is converted
 chunk by chunk into one reused float64 buffer per device, so no full-size
 float32 or float64 copy is ever made. Per-chunk partials stay on the device and
