@@ -51,6 +51,7 @@ __all__ = [
     "agreed_error",
     "combine",
     "counted",
+    "error_report",
     "local_norm",
     "local_partials",
     "norm_program",
@@ -326,12 +327,17 @@ def counted(arrays: Sequence[Any], owned: Sequence[bool] | None) -> Sequence[Any
 
 def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Step:
     """Some rank failed or disagreed: every rank raises the same error."""
-    own_error = (type(error).__name__, str(error)) if error is not None else None
-    reports = yield Gather((own_error, spec.describe(), counting.summary))  # the error path's own round trip
+    # the error path's own round trip
+    reports = yield Gather((error_report(error), spec.describe(), counting.summary))
     if any(err is not None for err, _, _ in reports) or mismatch:
         raise agreed_error([(err, args) for err, args, _ in reports], mismatch=mismatch)
     explain = counting.explain or (lambda _: "ranks disagree on which arrays they hold")
     raise GclipValueError(explain([summary for _, _, summary in reports]))
+
+
+def error_report(error: BaseException | None) -> tuple[str, str] | None:
+    """What a rank tells the others of its error, for :func:`agreed_error`: (type name, message)."""
+    return None if error is None else (type(error).__name__, str(error))
 
 
 def agreed_error(reports: Sequence[Any], mismatch: bool) -> GclipError:
@@ -447,8 +453,7 @@ def rescued(
 def _agree_late(error: BaseException | None) -> Step:
     """A rank failed after the header (its flag came in a later collective): every rank
     raises the same error, naming it."""
-    own_error = (type(error).__name__, str(error)) if error is not None else None
-    reports = yield Gather(own_error)
+    reports = yield Gather(error_report(error))
     raise agreed_error([(err, None) for err in reports], mismatch=False)
 
 

@@ -304,7 +304,7 @@ def _multiply_one(src: np.ndarray, factor: float, f32: np.float32 | None, dst: n
     """dst = src * factor in src's dtype, one pass, no full-size temporary.
 
     float64: the plain product. float32: one float32 multiply by ``f32``, the factor
-    rounded toward zero to float32 (:func:`float32_toward_zero`; None: computed here):
+    rounded toward zero to float32 (:func:`float32_toward_zero`; None for other dtypes):
     the factor's rounding never lifts a value, so each result is at most half an ulp
     above the product (the product's own rounding) and less than 2**-23 + 2**-24 below
     it, relative. float16: computed in float64 and rounded once (an 11-bit factor would
@@ -313,7 +313,8 @@ def _multiply_one(src: np.ndarray, factor: float, f32: np.float32 | None, dst: n
     if src.dtype.itemsize == 8:
         np.multiply(src, factor, out=dst)
     elif src.dtype.itemsize == 4:
-        np.multiply(src, float32_toward_zero(factor) if f32 is None else f32, out=dst)
+        assert f32 is not None  # the caller computes it for float32 arrays
+        np.multiply(src, f32, out=dst)
     else:
         np.multiply(src, factor, out=dst, dtype=np.float64, casting="same_kind")
 

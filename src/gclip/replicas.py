@@ -169,7 +169,7 @@ def explain(
         records = _records(grads, replicated, names, rank, size, comm, p)
     except Exception as exc:  # noqa: BLE001 - agreed below, so no rank waits
         error = exc
-    gathered = comm.allgather((_report(error), records))
+    gathered = comm.allgather((engine.error_report(error), records))
     _raise_agreed(gathered)
     return _rows([recs for _, recs in gathered], p)
 
@@ -200,10 +200,6 @@ def explain_simulated(
     return _rows(per_rank, p)
 
 
-def _report(error: BaseException | None) -> tuple[str, str] | None:
-    return None if error is None else (type(error).__name__, str(error))
-
-
 def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> None:
     """Every rank raises the same error, of the class the failing rank met (see ``engine.agreed_error``)."""
     if any(report is not None for report, _ in gathered):
@@ -230,7 +226,9 @@ def check_replicas(
         records = _records(grads, replicated, names, rank, size, comm, 2.0)
     except Exception as exc:  # noqa: BLE001 - agreed below
         error = exc
-    gathered = comm.allgather((_report(error), [(r.name, r.members, r.slot, r.crc) for r in records]))
+    gathered = comm.allgather(
+        (engine.error_report(error), [(r.name, r.members, r.slot, r.crc) for r in records])
+    )
     _raise_agreed(gathered)
     problem = diverged([recs for _, recs in gathered])
     if problem:
