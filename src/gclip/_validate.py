@@ -206,6 +206,8 @@ def grads(value: Any, inplace: bool) -> Grads:
         return Grads([_array(value, "grads", inplace)], None, None, value)
     if isinstance(value, (list, tuple)):
         items, container = value, tuple if isinstance(value, tuple) else list
+    elif _is_buffer(value):  # a memoryview, an array.array: one array, not a list of its items
+        return Grads([_array(value, "grads", inplace)], None, None, value)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict)):
         items, container = list(value), list  # a generator: read once
     else:
@@ -253,6 +255,15 @@ def _checked_at_once(items: Sequence[Any], inplace: bool) -> list[np.ndarray] | 
 
 def _array_like(value: Any) -> bool:
     return hasattr(value, "__array__") or hasattr(value, "__array_interface__") or _is_tensor(value)
+
+
+def _is_buffer(value: Any) -> bool:
+    """Whether ``value`` has the buffer protocol (``collections.abc.Buffer`` from Python 3.12)."""
+    try:
+        memoryview(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_tensor(value: Any) -> bool:

@@ -1,0 +1,78 @@
+"""What the reader takes as one array: anything with the buffer protocol.
+
+The oracle is the values themselves (their norm from math.hypot), never gclip."""
+
+from __future__ import annotations
+
+import array
+import math
+
+import numpy as np
+import pytest
+
+import gclip
+from gclip import GclipTypeError, GclipValueError
+
+
+@pytest.fixture
+def self_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+BUFFERS = {
+    "memoryview": lambda: memoryview(np.arange(4.0)),
+    "array.array-d": lambda: array.array("d", [3.0, 4.0]),
+    "array.array-f": lambda: array.array("f", [3.0, 4.0, 12.0]),
+    "memoryview-2d": lambda: memoryview(np.arange(6.0).reshape(2, 3)),
+    "memoryview-of-bytearray": lambda: memoryview(bytearray(np.array([3.0, 4.0]).tobytes())).cast("d"),
+}
+
+
+@pytest.mark.parametrize("name", list(BUFFERS))
+def test_a_buffer_is_one_array(self_comm, name):
+    buf = BUFFERS[name]()
+    values = np.asarray(buf).copy()
+    result = gclip.clip_by_global_norm(buf, 1.0, comm=self_comm)
+    assert math.isclose(result.total_norm, math.hypot(*values.ravel().tolist()), rel_tol=1e-15)
+    assert type(result.grads) is np.ndarray, type(result.grads)
+    assert result.grads.shape == values.shape and result.grads.dtype == values.dtype
+    assert np.allclose(result.grads, values * result.scale, rtol=_ulps(values), atol=0)
+    assert np.array_equal(np.asarray(buf), values), "without inplace the buffer is untouched"
+
+
+@pytest.mark.parametrize("name", list(BUFFERS))
+def test_a_writable_buffer_is_scaled_in_place(self_comm, name):
+    buf = BUFFERS[name]()
+    values = np.asarray(buf).copy()
+    result = gclip.clip_by_global_norm(buf, 1.0, inplace=True, comm=self_comm)
+    assert result.grads is buf, "in place, the very object given comes back"
+    assert result.scale < 1.0
+    assert np.allclose(np.asarray(buf), values * result.scale, rtol=_ulps(values), atol=0)
+
+
+def _ulps(values: np.ndarray) -> float:
+    """The product's rounding, with room for float32's factor rounded toward zero (numerics.md)."""
+    return 2.0**-52 if values.dtype == np.float64 else 2.0**-22
+
+
+def test_a_read_only_buffer_is_refused_in_place_only(self_comm):
+    buf = memoryview(np.array([3.0, 4.0]).tobytes()).cast("d")  # bytes: read-only
+    assert gclip.clip_by_global_norm(buf, 1.0, comm=self_comm).total_norm == 5.0
+    with pytest.raises(GclipValueError, match="read-only"):
+        gclip.clip_by_global_norm(buf, 1.0, inplace=True, comm=self_comm)
+
+
+def test_a_buffer_of_bytes_is_refused_by_its_dtype(self_comm):
+    with pytest.raises(GclipTypeError, match="dtype uint8"):
+        gclip.global_norm(bytearray(b"\x01\x02"), comm=self_comm)
+
+
+def test_a_large_buffer_is_read_at_array_speed(self_comm):
+    """200k doubles: one array (the reader once iterated them as 200k scalars, about 1e5 times
+    slower); checked by what comes back, not by a clock."""
+    x = np.ones(200_000)
+    result = gclip.clip_by_global_norm(memoryview(x), 1.0, inplace=True, comm=self_comm)
+    assert math.isclose(result.total_norm, math.sqrt(200_000), rel_tol=1e-15)
+    assert np.all(x == result.scale)
