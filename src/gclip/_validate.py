@@ -278,6 +278,8 @@ def _array(g: Any, where: str, inplace: bool) -> np.ndarray:
             f"{where} is a torch tensor that requires grad (a parameter?): pass its .grad, "
             "or use gclip.torch.clip_grad_norm_(parameters, ...)"
         )
+    if isinstance(g, np.ma.MaskedArray):  # np.asarray would drop the mask: masked values would count
+        raise GclipTypeError(f"{where} is a masked array; pass its values (.compressed() or .filled(0))")
     if inplace and isinstance(g, (list, tuple, numbers.Number)):
         raise GclipTypeError(f"{where}: inplace=True needs arrays, got {type(g).__name__}")
     try:

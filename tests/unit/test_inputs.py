@@ -1,4 +1,5 @@
-"""What the reader takes as one array: anything with the buffer protocol.
+"""What the reader takes as one array: anything with the buffer protocol; and what it refuses
+in one line: masked arrays (their mask would be ignored, the masked values counted).
 
 The oracle is the values themselves (their norm from math.hypot), never gclip."""
 
@@ -76,3 +77,32 @@ def test_a_large_buffer_is_read_at_array_speed(self_comm):
     result = gclip.clip_by_global_norm(memoryview(x), 1.0, inplace=True, comm=self_comm)
     assert math.isclose(result.total_norm, math.sqrt(200_000), rel_tol=1e-15)
     assert np.all(x == result.scale)
+
+
+MASKED = {
+    "one": lambda: np.ma.masked_array([3.0, 4.0, 100.0], mask=[0, 0, 1]),
+    "nothing-masked": lambda: np.ma.masked_array([3.0, 4.0]),
+    "in-a-list": lambda: [np.ones(2), np.ma.masked_array([3.0, 4.0, 100.0], mask=[0, 0, 1])],
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+@pytest.mark.parametrize("call", ["global_norm", "clip", "apply_scale"])
+def test_a_masked_array_is_refused_in_one_line(self_comm, name, call):
+    grads = MASKED[name]()
+    run = {
+        "global_norm": lambda: gclip.global_norm(grads, comm=self_comm),
+        "clip": lambda: gclip.clip_by_global_norm(grads, 1.0, comm=self_comm),
+        "apply_scale": lambda: gclip.apply_scale(grads, 0.5),
+    }[call]
+    with pytest.raises(GclipTypeError, match="masked") as raised:
+        run()
+    assert "\n" not in str(raised.value)
+
+
+def test_many_arrays_with_a_masked_one_are_refused(self_comm):
+    """Past the reader's many-arrays fast path (a table read at once), a masked array too."""
+    grads = [np.ones(8, np.float32) for _ in range(300)]
+    grads[150] = np.ma.masked_array(np.ones(8, np.float32), mask=[1] + [0] * 7)
+    with pytest.raises(GclipTypeError, match=r"grads\[150\].*masked"):
+        gclip.clip_by_global_norm(grads, 1.0, inplace=True, comm=self_comm)
