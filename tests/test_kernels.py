@@ -286,3 +286,34 @@ def test_no_llvm_intrinsic_is_named_for_typed_pointers():
     source = (Path(gclip.__file__).parent / "_jit.py").read_text()
     assert not re.findall(r"\"llvm\.[\w.]*\.p\d+[a-z]+\d*\"", source)
     assert "get_or_insert_function" not in source  # every intrinsic goes through declare_intrinsic
+
+
+AVX2_CPUS = ("haswell", "broadwell", "skylake", "znver1", "znver2", "znver3")
+
+
+def test_the_code_generation_is_the_target_named(kernels):
+    """Under NUMBA_CPU_NAME=haswell (scripts/test's second kernel lane) numba really emits AVX2
+    code, at most 256-bit vectors, whatever CPU runs the tests: the lane checks what an AVX2
+    machine runs, not this machine's AVX-512 code again (numba keeps the host's features when
+    NUMBA_CPU_FEATURES is not set too)."""
+    import os
+
+    import numba
+
+    name = os.environ.get("NUMBA_CPU_NAME")
+    if name not in AVX2_CPUS:
+        pytest.skip("the host's code generation (the AVX2 lane sets NUMBA_CPU_NAME=haswell)")
+
+    @numba.njit(fastmath={"reassoc", "contract"})  # not cached: compiled here, its assembly readable
+    def sumsq(x):
+        s = 0.0
+        for i in range(x.size):
+            v = np.float64(x[i])
+            s += v * v
+        return s
+
+    x = np.arange(100, dtype=np.float32)
+    assert sumsq(x) == fsum_of_squares(x)
+    (asm,) = sumsq.inspect_asm().values()
+    assert "%zmm" not in asm, f"{name}: AVX-512 registers in the code (NUMBA_CPU_FEATURES unset?)"
+    assert "%ymm" in asm and "vfmadd" in asm, f"{name}: no AVX2 fused vector loop"
