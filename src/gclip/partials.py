@@ -66,6 +66,7 @@ def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
 
 _FLOAT64 = np.dtype(np.float64)
 _FLOAT32 = np.dtype(np.float32)
+_FLOAT16 = np.dtype(np.float16)  # native byte order only: the kernels read its bits
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
@@ -206,16 +207,19 @@ _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 def _one_call_sum(a: np.ndarray, p: float) -> float | None:
     """sum x**2 in one call with no working buffer (BLAS dot on float64, the
-    compiled kernel on large float32), or None: the chunked route is needed."""
+    compiled kernels on large float32 and float16), or None: the chunked route is needed."""
     if p != 2.0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
         return None
     if a.dtype == _FLOAT64:
         flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
         return float(np.dot(flat, flat))
-    if a.dtype == _FLOAT32 and a.size >= _kernels.MIN_SIZE:
+    if a.size >= _kernels.MIN_SIZE and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation
-            return float(kernels.sumsq_f32(a if a.ndim == 1 else a.ravel(order="K")))
+            flat = a if a.ndim == 1 else a.ravel(order="K")
+            if a.dtype == _FLOAT32:
+                return float(kernels.sumsq_f32(flat))
+            return float(kernels.sumsq_f16(flat.view(np.uint16)))
     return None
 
 
