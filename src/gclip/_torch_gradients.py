@@ -64,6 +64,13 @@ class Gradients(NamedTuple):
 def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, foreach: bool | None) -> Any:
     """The engine's reader for tensors: (the gradients, each distinct one once, their entries)."""
     read = gradients(items, replicated, of_parameters=of_parameters)._replace(foreach=foreach)
+    if inplace:  # refused here, the error is agreed; torch's multiply would raise on this rank alone
+        for g, where in zip(read.tensors, read.wheres):
+            if any(stride == 0 and n > 1 for n, stride in zip(g.shape, g.stride())):
+                raise GclipValueError(
+                    f"{where} is expanded (stride 0: several elements are one memory location) and "
+                    "cannot be scaled in place; pass a tensor of its own (.clone())"
+                )
     return read, read.tensors, read.entries
 
 

@@ -211,6 +211,8 @@ def grads(value: Any, inplace: bool) -> Grads:
         return Grads([_array(value, "grads", inplace)], None, None, value)
     if isinstance(value, (list, tuple)):
         items, container = value, tuple if isinstance(value, tuple) else list
+    elif _is_buffer(value):  # a memoryview, an array.array: one array, not a list of its items
+        return Grads([_array(value, "grads", inplace)], None, None, value)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict)):
         items, container = list(value), list  # a generator: read once
     else:
@@ -260,6 +262,15 @@ def _array_like(value: Any) -> bool:
     return hasattr(value, "__array__") or hasattr(value, "__array_interface__") or _is_tensor(value)
 
 
+def _is_buffer(value: Any) -> bool:
+    """Whether ``value`` has the buffer protocol (``collections.abc.Buffer`` from Python 3.12)."""
+    try:
+        memoryview(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _is_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch")
 
@@ -272,6 +283,8 @@ def _array(g: Any, where: str, inplace: bool) -> np.ndarray:
             f"{where} is a torch tensor that requires grad (a parameter?): pass its .grad, "
             "or use gclip.torch.clip_grad_norm_(parameters, ...)"
         )
+    if isinstance(g, np.ma.MaskedArray):  # np.asarray would drop the mask: masked values would count
+        raise GclipTypeError(f"{where} is a masked array; pass its values (.compressed() or .filled(0))")
     if inplace and isinstance(g, (list, tuple, numbers.Number)):
         raise GclipTypeError(f"{where}: inplace=True needs arrays, got {type(g).__name__}")
     try:

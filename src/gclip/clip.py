@@ -222,9 +222,10 @@ def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
     """Multiply arrays by ``scale`` (finite, >= 0), each in its own dtype.
 
     float64 is multiplied as it is; float32 by the scale rounded toward zero
-    (so rounding cannot lift a clipped norm above its limit); float16 in
-    float64, rounded once. In place, a scale of exactly 1 touches nothing and
-    the very objects given come back; an array given twice is scaled once.
+    (so rounding cannot lift a clipped norm above its limit); float16, and float32
+    by a scale outside float32's normal range, in float64, rounded once. In place, a
+    scale of exactly 1 touches nothing and the very objects given come back; an array
+    given twice is scaled once.
     Returns the layout given (a tuple stays a tuple).
     """
     return _validate.grads(grads, inplace).scaled(_validate.scale(scale), inplace)

@@ -66,7 +66,9 @@ def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
 
 _FLOAT64 = np.dtype(np.float64)
 _FLOAT32 = np.dtype(np.float32)
+_FLOAT16 = np.dtype(np.float16)  # native byte order only: the kernels read its bits
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 # ---------------------------------------------------------------------------
@@ -233,16 +235,19 @@ _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 def _one_call_sum(a: np.ndarray, p: float) -> float | None:
     """sum x**2 in one call with no working buffer (BLAS dot on float64, the
-    compiled kernel on large float32), or None: the chunked route is needed."""
+    compiled kernels on large float32 and float16), or None: the chunked route is needed."""
     if p != 2.0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
         return None
     if a.dtype == _FLOAT64:
         flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
-        return float(flat.dot(flat))
-    if a.dtype == _FLOAT32 and a.size >= _kernels.MIN_SIZE:
+        return float(flat.dot(flat))  # the method: np.dot's dispatch costs a Python call
+    if a.size >= _kernels.MIN_SIZE and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation
-            return float(kernels.sumsq_f32(a if a.ndim == 1 else a.ravel(order="K")))
+            flat = a if a.ndim == 1 else a.ravel(order="K")
+            if a.dtype == _FLOAT32:
+                return float(kernels.sumsq_f32(flat))
+            return float(kernels.sumsq_f16(flat.view(np.uint16)))
     return None
 
 
@@ -301,12 +306,15 @@ def multiply_by(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.nd
             for a, b in zip(arrays, out):
                 np.copyto(b, a)
         return
+    # beyond float32's normal range, a float32 factor loses bits (or is clamped): float32 then
+    # goes the float16 way, in float64, rounded once
+    in_float32 = factor == 0.0 or _FLOAT32_TINY <= factor <= _FLOAT32_MAX
     table = arrays.table if type(arrays) is _kernels.Checked and arrays.writable and out is arrays else None
-    kernels = _kernels.get() if table is not None and table.compiled else None
+    kernels = _kernels.get() if table is not None and table.compiled and in_float32 else None
     if kernels is None:
         f32 = None  # the float32 factor, computed once, where a float32 array asks for it
         for a, b in zip(arrays, out):
-            if f32 is None and a.dtype.itemsize == 4:
+            if f32 is None and a.dtype.itemsize == 4 and in_float32:
                 f32 = float32_toward_zero(factor)
             _multiply_one(a, factor, f32, b)
         return
@@ -323,13 +331,12 @@ def _multiply_one(src: np.ndarray, factor: float, f32: np.float32 | None, dst: n
     rounded toward zero to float32 (:func:`float32_toward_zero`; None for other dtypes):
     the factor's rounding never lifts a value, so each result is at most half an ulp
     above the product (the product's own rounding) and less than 2**-23 + 2**-24 below
-    it, relative. float16: computed in float64 and rounded once (an 11-bit factor would
-    be off by up to 5e-4).
+    it, relative. float16, and float32 where ``f32`` is None (a factor outside float32's normal
+    range): computed in float64 and rounded once (an 11-bit factor would be off by up to 5e-4).
     """
     if src.dtype.itemsize == 8:
         np.multiply(src, factor, out=dst)
-    elif src.dtype.itemsize == 4:
-        assert f32 is not None  # the caller computes it for float32 arrays
+    elif src.dtype.itemsize == 4 and f32 is not None:
         np.multiply(src, f32, out=dst)
     else:
         np.multiply(src, factor, out=dst, dtype=np.float64, casting="same_kind")
