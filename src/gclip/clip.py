@@ -52,10 +52,6 @@ def _clipped(args: engine.Arguments, norm: float, scale: float, inplace: bool) -
     return ClipResult(args.grads.scaled(scale, inplace), norm, scale, math.isfinite(norm))
 
 
-# ---------------------------------------------------------------------------
-# the API: each call the engine's program (``gclip.engine``), run by its driver
-
-
 def global_norm(
     grads: Any,
     *,

@@ -1,10 +1,9 @@
 """Drivers: what runs the engine's programs (``engine.program``, and the lab's own).
 
 A program yields collectives (``engine.Reduce``, ``engine.Gather``) and is sent their
-results. :meth:`Driver.run` is the one loop that answers them on one real rank, with
-the driver's all-reduce and all-gather: :class:`Mpi` has mpi4py's (one buffer-based
-``Allreduce`` per ``Reduce``); :func:`drive` takes them as functions (``gclip.torch``:
-torch.distributed's).
+results. :meth:`Driver.run` is the one loop that answers them on one real rank:
+:class:`Mpi` with mpi4py's collectives (one buffer-based ``Allreduce`` per ``Reduce``),
+:func:`drive` with the functions given (``gclip.torch``: torch.distributed's).
 :func:`run_simulated` runs R programs in lockstep in one process, as R ranks would
 (the judge, the seed contract, the demo and the unit tests).
 """
@@ -21,26 +20,22 @@ from .comm import Comm
 from .engine import Gather, NormOp, Reduce
 from .errors import GclipError
 
-__all__ = ["Driver", "Mpi", "drive", "run_mpi", "run_simulated"]
+__all__ = ["Driver", "Mpi", "drive", "run_simulated"]
 
 T = TypeVar("T")
 
 
 class Driver:
-    """A real rank's driver: each Reduce through :meth:`all_reduce`, each Gather through
-    :meth:`all_gather`; :meth:`run` is the one loop."""
+    """A real rank's driver: :meth:`run` answers each Reduce with ``all_reduce`` and each
+    Gather with ``all_gather``."""
 
     rank: int
     size: int
-
-    def all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
-        raise NotImplementedError
-
-    def all_gather(self, item: Any) -> list[Any]:
-        raise NotImplementedError
+    all_reduce: Callable[[np.ndarray, NormOp], np.ndarray]
+    all_gather: Callable[[Any], list[Any]]
 
     def run(self, program: Generator[Reduce | Gather, Any, T]) -> T:
-        """Run a program on this rank: returns what it returns (``engine.program``: the norm
+        """Run a program on this rank; returns what it returns (``engine.program``: the norm
         and the factor)."""
         try:
             request = next(program)
@@ -54,28 +49,15 @@ class Driver:
             return result
 
 
-class _Given(Driver):
-    """A driver of the collectives given as functions."""
-
-    def __init__(
-        self, reduce: Callable[[np.ndarray, NormOp], np.ndarray], gather: Callable[[Any], list[Any]]
-    ):
-        self._reduce, self._gather = reduce, gather
-
-    def all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
-        return self._reduce(data, op)
-
-    def all_gather(self, item: Any) -> list[Any]:
-        return self._gather(item)
-
-
 def drive(
     program: Generator[Reduce | Gather, Any, T],
     all_reduce: Callable[[np.ndarray, NormOp], np.ndarray],
     all_gather: Callable[[Any], list[Any]],
 ) -> T:
     """Run a program on one rank with these collectives (``gclip.torch``: torch.distributed's)."""
-    return _Given(all_reduce, all_gather).run(program)
+    driver = Driver()
+    driver.all_reduce, driver.all_gather = all_reduce, all_gather
+    return driver.run(program)
 
 
 class Mpi(Driver):
@@ -85,20 +67,13 @@ class Mpi(Driver):
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.all_reduce, self.all_gather = self._all_reduce, comm.allgather
 
-    def all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
+    def _all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
         MPI = _mpi()
         out = np.empty(data.size)
         self.comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
         return out
-
-    def all_gather(self, item: Any) -> list[Any]:
-        return self.comm.allgather(item)
-
-
-def run_mpi(program: Generator[Reduce | Gather, Any, T], comm: Comm) -> T:
-    """Run a program on this rank of ``comm`` (mpi4py)."""
-    return Mpi(comm).run(program)
 
 
 @functools.lru_cache(maxsize=1)

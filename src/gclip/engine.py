@@ -1,20 +1,16 @@
 """The clip as one program over ranks: the header, the combine, the rescue, the agreed errors.
 
-:func:`check` reads one rank's arguments (the scalar settings, the arrays through the
-front end's :class:`Backend`, the layout as a :class:`~gclip.layout.Counting`) and keeps
-whatever it refuses. :func:`program` is then the norm, written once as a generator that
-yields the collectives it needs (:class:`Reduce`, :class:`Gather`) and receives their
-results; a driver (``gclip.drivers``: MPI, simulated ranks; ``gclip.torch``'s
-torch.distributed) runs it where the ranks are. It returns the norm and the factor of
-the scale rule (``policy``); the front end applies the factor to the arrays it read.
+:func:`check` reads one rank's arguments (the settings; the arrays, by the front end's
+:class:`Backend`; the layout, as a ``layout.Counting``) and keeps what it refuses.
+:func:`program` is the norm, a generator that yields the collectives it needs
+(:class:`Reduce`, :class:`Gather`) to a driver (``gclip.drivers``) and returns the norm
+and the factor of the scale rule (``policy``); the front end applies the factor.
 
-Every program starts with the same fixed-size SUM all-reduce, the *header*
-(:func:`header`): this rank's error flag, a fingerprint of its arguments, its element
-count and (for finite p) its whole sum of |x|**p. So in the default L2 path the header
-IS the one collective, and whatever goes wrong on one rank (bad input, different
-arguments) is known to every rank at the same moment: all raise the same error
-(:func:`agreed_error`), none is left waiting. Only the inf-norm, the reproducible mode and
-the overflow rescue need a second collective, after the header has agreed on the settings.
+Every program starts with the same small SUM all-reduce, the *header* (:func:`header`):
+this rank's error flag, a fingerprint of its arguments and its sum of |x|**p. In the
+default L2 path it is the one collective, and whatever goes wrong on one rank is known
+to every rank at once: all raise the same error (:func:`agreed_error`), none is left
+waiting. The inf-norm, the reproducible mode and the overflow rescue add one collective.
 """
 
 from __future__ import annotations
@@ -155,14 +151,11 @@ def check(
     error_if_nonfinite: bool = False,
     inplace: bool = False,
 ) -> Arguments:
-    """Check every argument of one rank's call; an error is kept, to be raised on every rank
-    together by the program. ``max_norm`` is :data:`NO_LIMIT` for a norm alone.
-
-    ``counting(grads, entries, arrays)`` replaces ``layout.counting`` where a front end reads
-    more than ``replicated=`` (gclip.torch: DTensor placements). The fingerprint the ranks
-    compare holds the checked values (1 and 1.0 are the same limit); what each group of
-    ranks holds in common is checked by the layout's ring sums (see ``layout``).
-    """
+    """Check every argument of one rank's call, keeping an error for the program to raise on
+    every rank together. ``max_norm``: :data:`NO_LIMIT` for a norm alone. ``counting(grads,
+    entries, arrays)`` replaces ``layout.counting`` where a front end reads more than
+    ``replicated=`` (gclip.torch: DTensor placements). The fingerprint holds the checked
+    values (1 and 1.0 are the same limit)."""
     flag = bool(error_if_nonfinite)
     spec: Spec = _FALLBACK_SPEC  # kept if a setting is refused
     limit: float | None = None

@@ -182,22 +182,10 @@ def explain_simulated(
     norm_type: Any = 2.0,
 ) -> list[Row]:
     """:func:`explain` over simulated ranks (``replicated[r]`` and ``names[r]`` per rank)."""
-
-    p = _validate.norm_type(norm_type)
-    size = len(ranks)
-    per_rank = [
-        _records(
-            g,
-            None if replicated is None else replicated[r],
-            None if names is None else names[r],
-            r,
-            size,
-            None,
-            p,
-        )
-        for r, g in enumerate(ranks)
-    ]
-    return _rows(per_rank, p)
+    p, size = _validate.norm_type(norm_type), len(ranks)
+    entries: Sequence[Any] = [None] * size if replicated is None else replicated
+    labels: Sequence[Any] = [None] * size if names is None else names
+    return _rows([_records(g, entries[r], labels[r], r, size, None, p) for r, g in enumerate(ranks)], p)
 
 
 def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> None:
