@@ -11,6 +11,8 @@ results. :meth:`Driver.run` is the one loop that answers them on one real rank:
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
@@ -18,9 +20,18 @@ import numpy as np
 
 from .comm import Comm
 from .engine import Gather, NormOp, Reduce
-from .errors import GclipError
+from .errors import GclipError, GclipTypeError
 
-__all__ = ["Driver", "Mpi", "drive", "run_simulated"]
+__all__ = [
+    "LAUNCHER_SIZE_VARS",
+    "Driver",
+    "Mpi",
+    "communicator",
+    "drive",
+    "launched_size",
+    "refuse_lone_rank",
+    "run_simulated",
+]
 
 T = TypeVar("T")
 
@@ -114,3 +125,67 @@ def run_simulated(programs: Sequence[Generator[Reduce | Gather, Any, T]]) -> lis
         if errors:
             raise errors[0]
     return results
+
+
+# ---------------------------------------------------------------------------
+# the communicator: None means MPI's COMM_WORLD, unless this process is one of several
+
+
+def communicator(comm: Any) -> Any:
+    """The communicator to clip over, or a one-line error (raised alike on every rank)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(comm, mpi.Comm):  # the usual case, checked first
+        if comm.Get_size() == 1 and comm == mpi.COMM_WORLD:  # COMM_WORLD spelled out: the same trap
+            refuse_lone_rank("comm=MPI.COMM_WORLD:")
+        return comm
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() == 1:
+            refuse_lone_rank("comm=None:")
+        return comm
+    if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
+        hint = ""
+        if "torch" in type(comm).__module__:
+            hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
+        raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
+    return comm  # an object with mpi4py's methods (a test's fake), never COMM_WORLD
+
+
+# launchers that say how many processes they started; MPI seeing one means it was not told
+LAUNCHER_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+def launched_size() -> tuple[int, str] | None:
+    """(processes, who says so) when this process was started as one of several, else None."""
+    for var in LAUNCHER_SIZE_VARS:
+        try:
+            n = int(os.environ.get(var, "1"))
+        except ValueError:
+            continue
+        if n > 1:
+            return n, f"{var}={n}"
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_world_size(), f"torch.distributed world size {dist.get_world_size()}"
+    return None
+
+
+def refuse_lone_rank(given: str, fix: str = "") -> None:
+    """Raise where MPI sees one rank but the process was started as one of several:
+    clipping alone there is the very bug gclip prevents. ``given`` says what led here."""
+    launched = launched_size()
+    if launched is not None:
+        n, why = launched
+        raise GclipError(
+            f"{given} MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
+            f"would use this process's own norm. {fix or _LONE_RANK_FIX}"
+        )
+
+
+_LONE_RANK_FIX = (
+    "Start the job with mpirun, pass the communicator of the ranks that share the gradient "
+    "(MPI.COMM_SELF if each process really clips alone), or use gclip.torch.clip_grad_norm_ "
+    "(it takes the torch.distributed group)"
+)
