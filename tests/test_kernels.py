@@ -79,10 +79,10 @@ def test_compiled_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p, d
 @pytest.mark.parametrize("p", [1, 2])
 def test_rescaled_folds_add_digit_sums_beyond_2_to_the_53_exactly(kernels, p):
     """A block of values at the top of a bin beyond the unscaled folds' range (the rescaled folds):
-    each top digit near 2**43, their sum past 2**53, against the exact sum."""
+    each top digit near 2**43, a block's sum near 2**53, against the exact sum."""
     binned = partials.BinnedPowerSum(p)
     rng = np.random.default_rng(40 + p)
-    m = 2.0 - rng.random(_kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
+    m = 2.0 - rng.random(2 * _kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
     if p == 2:  # squares m * 2**1054 just below 2**1055, the top of bin 23 (its unit 2**1012)
         x = np.ldexp(np.sqrt(m), 527)
     else:  # values m * 2**-882 just below 2**-881, the top of bin -21 (its unit 2**-924)
