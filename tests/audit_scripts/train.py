@@ -21,6 +21,8 @@ step clips, each the way some real code did it:
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 
 import torch
@@ -58,6 +60,26 @@ def clip(how: str, params: list[nn.Parameter], layout: str) -> None:
         torch.nn.utils.clip_grad_norm_(grads, MAX_NORM)  # tensors with no .grad: nothing scaled
     elif how != "none":
         raise SystemExit(f"unknown --clip {how}")
+
+
+def oracle_norm(params: list[nn.Parameter], layout: str) -> float:
+    """The test's oracle, outside the audit: math.fsum over the squares of every full gradient,
+    each parameter once (a DTensor's full_tensor(); a stage's parameters gathered from every stage)."""
+    full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params]
+    mine = math.fsum(float(v) ** 2 for g in full for v in g.double().reshape(-1).tolist())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if layout == "pp-fsdp":  # the mesh (pp, dp): ranks 0-1 hold stage 0, ranks 2-3 stage 1
+        return math.sqrt(every[0] + every[2])
+    return math.sqrt(mine)
+
+
+def local_scale(before: list[torch.Tensor], params: list[nn.Parameter]) -> float | None:
+    """The factor this rank's local gradients got, by least squares over real copies."""
+    after = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    bb = math.fsum(float((b.double() * b.double()).sum()) for b in before)
+    ab = math.fsum(float((a.double() * b.double()).sum()) for a, b in zip(after, before))
+    return ab / bb if bb > 0 else None
 
 
 def main() -> None:
@@ -106,7 +128,15 @@ def main() -> None:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])
-        clip(args.clip, list(net.parameters()), args.layout)
+        params = list(net.parameters())
+        oracle = os.environ.get("TRAIN_ORACLE")
+        if oracle:
+            norm = oracle_norm(params, args.layout)
+            before = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone() for p in params]
+        clip(args.clip, params, args.layout)
+        if oracle:
+            with open(os.path.join(oracle, f"rank{rank}.jsonl"), "a") as out:
+                out.write(json.dumps({"norm": norm, "scale": local_scale(before, params)}) + "\n")
         optimizer.step()
     dist.barrier()
     dist.destroy_process_group()

@@ -17,16 +17,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
         usage=USAGE,
         description="Run a training script unmodified and audit the clip of every optimizer step.",
     )
-    parser.add_argument("--max-norm", type=float, default=None, help="the limit the script clips to "
-                        "(default: the max_norm its clip function is called with, else inferred)")
+    parser.add_argument(
+        "--max-norm",
+        type=float,
+        default=None,
+        help="the limit the script clips to "
+        "(default: the max_norm its clip function is called with, else inferred)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="audit the first K steps only")
-    parser.add_argument("--json", default=None, metavar="FILE",
-                        help="write one JSON object per step (rank 0's report), one per line")
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write one JSON object per step (rank 0's report), one per line",
+    )
     layout = parser.add_mutually_exclusive_group()
-    layout.add_argument("--replicated", action="store_true",
-                        help="plain (non-DTensor, non-DDP) gradients are copies on every rank")
-    layout.add_argument("--sharded", action="store_true",
-                        help="plain (non-DTensor, non-DDP) gradients are this rank's own")
+    layout.add_argument(
+        "--replicated",
+        action="store_true",
+        help="plain (non-DTensor, non-DDP) gradients are copies on every rank",
+    )
+    layout.add_argument(
+        "--sharded", action="store_true", help="plain (non-DTensor, non-DDP) gradients are this rank's own"
+    )
     parser.add_argument("--quiet", action="store_true", help="print the summary only, not every step")
     parser.add_argument("script", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")

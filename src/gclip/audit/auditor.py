@@ -65,7 +65,7 @@ class Auditor:
         self.report = report
         self.seed = seed
         self.reports: list[verdict.StepReport] = []
-        self._params: dict[int, Any] = {}  # id -> parameter, every optimizer's (weak enough: they live as long)
+        self._params: dict[int, Any] = {}  # id -> parameter, of every optimizer
         self._seeds: dict[int, int] = {}
         self._before: dict[int, capture.Sketch] = {}
         self._backward = 0  # how many backward passes so far
@@ -282,7 +282,8 @@ class Auditor:
             if before is None:  # no backward left it: nothing to compare with
                 before = after._replace(sumsq=0.0)
             scale, uniform = capture.factor(before, after)
-            pieces.append(verdict.Piece(holders, copies, before.sumsq, before.count, scale, uniform, before.dtype))
+            piece = verdict.Piece(holders, copies, before.sumsq, before.count, scale, uniform, before.dtype)
+            pieces.append(piece)
             self._audited[id(p)] = self._backward
         row = verdict.Row(_rank(), self._stage(params), pieces, self._seen_max_norm, self._seen_norm)
         rows = _gather(row)
@@ -339,7 +340,7 @@ class Auditor:
             return "dp" if id(p) in self._ddp or self.plain == "replicated" or not self._has_tp() else "tp"
         mesh, placements = p.grad.device_mesh, p.grad.placements
         names = mesh.mesh_dim_names or ()
-        replicated = [names[d] if d < len(names) else "" for d, q in enumerate(placements) if q.is_replicate()]
+        replicated = [n for n, q in zip(names or [""] * len(placements), placements) if q.is_replicate()]
         if any("tp" not in n for n in replicated):
             return "dp"
         return "tp"
@@ -379,4 +380,3 @@ def _gather(row: verdict.Row) -> list[verdict.Row]:
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     return rows
-

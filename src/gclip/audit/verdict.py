@@ -149,7 +149,7 @@ def candidate_norms(rows: Sequence[Row]) -> dict[str, list[float]]:
         ]
     kinds = {p.copies for row in rows for p in row.pieces if len(p.holders) > 1}
     if kinds:  # every copy counted: replicas (DDP, HSDP) or TP duplicates summed as if shards
-        name = "dp-replicas-summed" if "dp" in kinds else "tp-duplicates-summed" if kinds == {"tp"} else "double-count"
+        name = "dp-replicas-summed" if "dp" in kinds else "tp-duplicates-summed"
         out[name] = [math.sqrt(math.fsum(every))] * size
     norms = [math.sqrt(o) for o in own]
     count = sum(p.count for row in rows for p in row.pieces if p.holders[0] == row.rank)
@@ -167,7 +167,10 @@ def _scale(norm: float, max_norm: float, eps: float = 0.0) -> float:
     return min(1.0, max_norm / (norm + eps)) if norm + eps > 0 else 1.0
 
 
-def _rank_scales(rows: Sequence[Row], tol: float) -> tuple[list[float | None], list[list[tuple[list[int], float]]] | None]:
+Sets = list[list[tuple[list[int], float]]]  # per rank: (the arrays, their scale) for each scale
+
+
+def _rank_scales(rows: Sequence[Row], tol: float) -> tuple[list[float | None], Sets | None]:
     """One scale per rank, and per rank the arrays' sets where some rank's arrays got different ones."""
     scales: list[float | None] = []
     sets: list[list[tuple[list[int], float]]] = []
@@ -304,7 +307,8 @@ def _lines(d: StepReport, rows: Sequence[Row]) -> list[str]:
     if d.expected_scale is None:
         lines.append(f"  global norm {d.global_norm:.6g}")
     else:
-        lines.append(f"  global norm {d.global_norm:.6g}: the correct scale is {d.expected_scale:.6g} on every rank")
+        correct = f"the correct scale is {d.expected_scale:.6g} on every rank"
+        lines.append(f"  global norm {d.global_norm:.6g}: {correct}")
     if len({s for s in d.stages if s is not None}) > 1:
         lines.append(f"  pipeline stages by rank: {', '.join(str(s) for s in d.stages)}")
     for r, s in enumerate(d.scales):
