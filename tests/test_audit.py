@@ -91,3 +91,16 @@ def test_steps_limits_the_audit_and_an_unclipped_step_says_so(tmp_path):
     assert steps[0]["max_norm"] is None
     assert abs(steps[0]["global_norm"] - oracle[0][0]["norm"]) <= 1e-9 * oracle[0][0]["norm"]
     assert "verdict: not clipped" in text
+
+
+def test_gclip_testing_audit_around_a_tests_own_steps(tmp_path):
+    script = str(ROOT / "tests" / "audit_scripts" / "in_a_test.py")
+    job = run_job(torchrun_cmd(RANKS, script, str(tmp_path)), env=job_env())
+    assert job.returncode == 0, job.stdout + job.stderr[-3000:]
+    every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    assert all(e == every[0] for e in every)  # the same reports, the same error, on every rank
+    (right,) = every[0]["right"]
+    assert right["grade"] == "pass" and right["clipped"] and right["max_norm"] == 0.2
+    wrong = every[0]["wrong"]
+    assert wrong.startswith("2 of 2 audited steps did not pass:")
+    assert "verdict: wrong: per-rank" in wrong
