@@ -285,7 +285,8 @@ class Auditor:
             piece = verdict.Piece(holders, copies, before.sumsq, before.count, scale, uniform, before.dtype)
             pieces.append(piece)
             self._audited[id(p)] = self._backward
-        row = verdict.Row(_rank(), self._stage(params), pieces, self._seen_max_norm, self._seen_norm)
+        stage = self._stage(params)
+        row = verdict.Row(_rank(), stage, pieces, self._seen_max_norm, self._seen_norm, self._holds(params))
         rows = _gather(row)
         self._seen_max_norm = self._seen_norm = None
         report = verdict.grade_step(len(self.reports), rows, self.max_norm, self.max_norm is not None)
@@ -347,6 +348,22 @@ class Auditor:
 
     def _has_tp(self) -> bool:
         return any(_is_dtensor(p.grad) for p in self._params.values() if p.grad is not None)
+
+    def _holds(self, params: list[Any]) -> str:
+        """What this rank's gradients are, in words: '6 DTensor (Shard(dim=0),) on mesh dp=4'."""
+        kinds: dict[str, int] = {}
+        for p in params:
+            g = p.grad
+            if _is_dtensor(g):
+                mesh = g.device_mesh
+                dims = ", ".join(f"{n}={k}" for n, k in zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+                what = f"DTensor {tuple(g.placements)} on mesh ({dims or tuple(mesh.mesh.shape)})"
+            elif id(p) in self._ddp:
+                what = "DDP"
+            else:
+                what = "plain"
+            kinds[what] = kinds.get(what, 0) + 1
+        return "; ".join(f"{n} {what}" for what, n in kinds.items()) + " gradients"
 
     def _stage(self, params: list[Any]) -> int | None:
         if self._stages:

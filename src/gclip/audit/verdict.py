@@ -56,6 +56,7 @@ class Row(NamedTuple):
     pieces: list[Piece]
     max_norm: float | None  # the max_norm a clip function was called with this step
     clip_norm: float | None  # the total norm passed to clip_grads_with_norm_, or returned by a clip
+    holds: str = ""  # what its gradients are: "6 DTensor (Shard(dim=0),) on mesh (4,)", "4 DDP"...
 
 
 class NewBug(NamedTuple):
@@ -95,6 +96,7 @@ class StepReport(NamedTuple):
     matches: list[str]
     stages: list[int | None]
     lines: list[str]
+    holds: list[str] = []  # per rank: what its gradients are (DTensors and their placements, DDP's, plain)
 
     def as_json(self) -> dict[str, Any]:
         """The judge's keys: grade, fingerprint, passed, and the numbers."""
@@ -115,6 +117,7 @@ class StepReport(NamedTuple):
             "matches": self.matches,
             "ranks": len(self.scales),
             "stages": self.stages,
+            "holds": self.holds,
         }
 
     def __str__(self) -> str:
@@ -245,6 +248,7 @@ def grade_step(step: int, rows: Sequence[Row], max_norm: float | None, given: bo
         matches,
         [row.stage for row in rows],
         [],
+        [row.holds for row in rows],
     )
     return report._replace(lines=_lines(report, rows))
 
@@ -309,6 +313,8 @@ def _lines(d: StepReport, rows: Sequence[Row]) -> list[str]:
     else:
         correct = f"the correct scale is {d.expected_scale:.6g} on every rank"
         lines.append(f"  global norm {d.global_norm:.6g}: {correct}")
+    if d.step == 0 and d.holds:
+        lines.append(f"  rank 0 holds {d.holds[0]}")
     if len({s for s in d.stages if s is not None}) > 1:
         lines.append(f"  pipeline stages by rank: {', '.join(str(s) for s in d.stages)}")
     for r, s in enumerate(d.scales):
