@@ -32,8 +32,8 @@ def audit(tmp_path, layout: str, how: str, *flags: str) -> tuple[list[dict], lis
     steps = [json.loads(line) for line in report.read_text().splitlines()]
     lines = [(tmp_path / f"rank{r}.jsonl").read_text().splitlines() for r in range(RANKS)]
     oracle = [[json.loads(x) for x in mine] for mine in lines]
-    passed = all(s["grade"] == "pass" for s in steps)
-    assert job.returncode == (0 if passed else 1), job.stdout + job.stderr[-3000:]
+    failed = any(s["grade"] == "fail" for s in steps)
+    assert job.returncode == (1 if failed else 0), job.stdout + job.stderr[-3000:]
     return steps, oracle, job.stdout
 
 
@@ -102,5 +102,5 @@ def test_gclip_testing_audit_around_a_tests_own_steps(tmp_path):
     (right,) = every[0]["right"]
     assert right["grade"] == "pass" and right["clipped"] and right["max_norm"] == 0.2
     wrong = every[0]["wrong"]
-    assert wrong.startswith("2 of 2 audited steps did not pass:")
+    assert wrong.startswith("2 of 2 audited steps failed:")
     assert "verdict: wrong: per-rank" in wrong

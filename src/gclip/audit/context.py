@@ -29,7 +29,8 @@ def audit(
     alive when the block starts (and any made inside it). ``plain``: what plain
     (non-DTensor, non-DDP) gradients are, ``"replicated"``, ``"sharded"`` or ``"auto"``.
     ``check``: on leaving, raise AssertionError (the same on every rank) unless at least
-    one step was audited and every audited step passed.
+    one step was audited and none failed (a near miss, the correct norm through torch's
+    epsilon or float32 rounding, does not fail).
     """
     auditor = Auditor(max_norm=max_norm, plain=plain)
     if optimizers is None:
@@ -44,6 +45,6 @@ def audit(
         return
     if not auditor.reports:
         raise AssertionError("gclip.testing.audit: no optimizer step was audited inside the block")
-    bad = [r for r in auditor.reports if r.grade != "pass"]
+    bad = [r for r in auditor.reports if r.grade == "fail"]
     if bad:
-        raise AssertionError(f"{len(bad)} of {len(auditor.reports)} audited steps did not pass:\n{bad[0]}")
+        raise AssertionError(f"{len(bad)} of {len(auditor.reports)} audited steps failed:\n{bad[0]}")

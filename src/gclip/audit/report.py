@@ -36,7 +36,8 @@ class Summary:
                 out.write(dumps(report.as_json()) + "\n")
 
     def close(self) -> int:
-        """The summary line on rank 0; the exit status: 0 when every audited step passed."""
+        """The summary line on rank 0; the exit status: 0 when no audited step failed (a near
+        miss, the correct norm through torch's epsilon or float32 rounding, is not a failure)."""
         grades = collections.Counter(r.grade for r in self.reports)
         bugs = collections.Counter(r.fingerprint for r in self.reports if r.fingerprint)
         clipped = sum(r.clipped for r in self.reports)
@@ -52,4 +53,4 @@ class Summary:
             sys.stdout.flush()
         if not self.reports:
             return 1
-        return 0 if set(grades) == {"pass"} else 1
+        return 1 if "fail" in grades else 0

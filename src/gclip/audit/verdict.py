@@ -96,7 +96,7 @@ class StepReport(NamedTuple):
     matches: list[str]
     stages: list[int | None]
     lines: list[str]
-    holds: list[str] = []  # per rank: what its gradients are (DTensors and their placements, DDP's, plain)
+    holds: list[str]  # per rank: what its gradients are (DTensors and their placements, DDP's, plain)
 
     def as_json(self) -> dict[str, Any]:
         """The judge's keys: grade, fingerprint, passed, and the numbers."""
