@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch", reason="gclip.audit needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, job_env, run_job, torchrun_cmd
+from torch_jobs import ROOT, exited, job_env, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def audit(tmp_path, layout: str, how: str, *flags: str) -> tuple[list[dict], lis
     lines = [(tmp_path / f"rank{r}.jsonl").read_text().splitlines() for r in range(RANKS)]
     oracle = [[json.loads(x) for x in mine] for mine in lines]
     failed = any(s["grade"] == "fail" for s in steps)
-    assert job.returncode == (1 if failed else 0), job.stdout + job.stderr[-3000:]
+    assert exited(job, 1 if failed else 0), job.stdout + job.stderr[-3000:]
     return steps, oracle, job.stdout
 
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch", reason="gclip.audit needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, job_env, run_job, torchrun_cmd
+from torch_jobs import ROOT, exited, job_env, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_framework_row(row, tmp_path):
         assert len(said) >= RANKS, text[-3000:]  # each rank raised it
         return
     steps = [json.loads(line) for line in report.read_text().splitlines()]
-    assert job.returncode == (1 if kind == "fail" else 0), text[-3000:]
+    assert exited(job, 1 if kind == "fail" else 0), text[-3000:]
     assert len(steps) == 2, text[-3000:]
     for step in steps:
         assert step["clipped"] and step["max_norm"] == 0.2 and step["max_norm_from"] == "the clip call"
