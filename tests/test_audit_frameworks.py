@@ -74,6 +74,12 @@ ROWS = {
         ["--layout", "pp-fsdp", "--clip", "titan-no-pp"],
         ("fail", "pp-stages-apart"),
     ),
+    "torchtitan-fsdp-tp-plain-modules": (
+        "torchtitan",
+        "fw_torchtitan.py",
+        ["--layout", "fsdp-tp"],
+        ("error", "All operands in aten.stack.default must have the same mesh"),
+    ),
     "torchtitan-fsdp-tp-gclip": (
         "torchtitan",
         "fw_torchtitan.py",
