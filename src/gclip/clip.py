@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, overload
 import numpy as np
 
 from . import drivers, engine, layout, policy, reader
-from .comm import Comm
+from .drivers import Comm
 from .errors import GclipValueError
 
 __all__ = [

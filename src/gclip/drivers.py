@@ -14,16 +14,16 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from .comm import Comm
 from .engine import Gather, NormOp, Reduce
 from .errors import GclipError, GclipTypeError
 
 __all__ = [
     "LAUNCHER_SIZE_VARS",
+    "Comm",
     "Driver",
     "Mpi",
     "communicator",
@@ -34,6 +34,22 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+# what the core needs of a communicator: mpi4py's MPI.Comm is one, and so is any object with
+# these four methods (a test's fake): its rank and size, one buffer all-reduce (SUM or MAX) per
+# collective, and a small object all-gather on the error path
+@runtime_checkable
+class Comm(Protocol):
+    """A communicator, as the core uses one (mpi4py's names)."""
+
+    def Get_rank(self) -> int: ...
+
+    def Get_size(self) -> int: ...
+
+    def Allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any = ...) -> Any: ...
+
+    def allgather(self, sendobj: Any) -> list[Any]: ...
 
 
 class Driver:
@@ -127,7 +143,6 @@ def run_simulated(programs: Sequence[Generator[Reduce | Gather, Any, T]]) -> lis
     return results
 
 
-# ---------------------------------------------------------------------------
 # the communicator: None means MPI's COMM_WORLD, unless this process is one of several
 
 

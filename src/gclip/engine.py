@@ -200,7 +200,6 @@ _PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe 
 _cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
 
 
-# ---------------------------------------------------------------------------
 # the scalar settings: each a clean value or a one-line error
 
 
@@ -232,11 +231,8 @@ def max_norm(value: Any, name: str = "max_norm") -> float:
 
 
 def scale(value: Any) -> float:
-    """A scale to multiply by: finite and >= 0 (a negative scale flips the gradient)."""
-    s = _scalar(value, "scale")
-    if not math.isfinite(s) or s < 0:
-        raise GclipValueError(f"scale must be finite and >= 0, got {s!r}")
-    return s + 0.0  # -0.0 becomes 0.0: multiplying by -0.0 would flip the sign of zeros
+    """A scale to multiply by: finite and >= 0, as a limit is (a negative scale flips the gradient)."""
+    return max_norm(value, "scale")
 
 
 def norm_type(value: Any) -> float:
@@ -307,30 +303,13 @@ def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNorm
     return NonFiniteNormError(f"the global {name}-norm is {norm!r} ({where}; error_if_nonfinite=True)")
 
 
-class _Slot(enum.IntEnum):
-    """The header's slots, all SUM-reduced.
-
-    Squares let every rank see a mismatch: sum(h^2)*R == sum(h)^2 only when all
-    h agree. 16-bit fingerprints keep the sums exact up to 2**20 ranks.
-    """
-
-    ERROR = 0  # 1 on a rank that failed
-    H1 = 1  # the argument fingerprint, two halves, and their squares
-    H1SQ = 2
-    H2 = 3
-    H2SQ = 4
-    COUNT = 5  # elements counted
-    SUM = 6  # sum |x|**p
-    RESCUE = 7  # 1 where the plain sum over- or underflowed
-    NONFINITE = 8  # 1 where this rank's own part is inf or NaN
-    LAYOUT1 = 9  # the counting ring sums: 0 over all ranks when the groups agree
-    LAYOUT2 = 10
-
-
-HEADER_SIZE = len(_Slot)
-# the slots as plain ints: the default clip reads them on every call, and an IntEnum
-# member costs an attribute lookup and an __index__ each time
-_ERROR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE, _LAYOUT1, _LAYOUT2 = map(int, _Slot)
+# The header's slots, all SUM-reduced: this rank's error flag (1 where it failed); the argument
+# fingerprint, two 16-bit halves and their squares (sum(h^2)*R == sum(h)^2 only when all h agree,
+# exact up to 2**20 ranks); the elements counted; the sum |x|**p; the rescue flag (the plain sum
+# over- or underflowed); the flag of a non-finite own part; the layout's two ring sums (0 over
+# all ranks when the groups agree).
+_ERROR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE, _LAYOUT1, _LAYOUT2 = range(11)
+HEADER_SIZE = 11
 
 
 class Sums(NamedTuple):

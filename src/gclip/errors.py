@@ -14,7 +14,6 @@ __all__ = [
     "GclipTypeError",
     "GclipValueError",
     "NonFiniteNormError",
-    "exception_line",
     "one_line",
 ]
 
@@ -40,17 +39,3 @@ class NonFiniteNormError(GclipError, FloatingPointError, RuntimeError):
 def one_line(text: str) -> str:
     """Messages are one line, whatever the caller's objects look like when printed."""
     return " ".join(str(text).split())
-
-
-def exception_line(exc: BaseException, *, limit: int | None = None, with_type: bool = True) -> str:
-    """An exception as one line: ``Type: message`` (the type alone if it says nothing).
-
-    ``with_type=False`` keeps gclip's own messages as they are (they name their
-    cause already); ``limit`` cuts the line to that many characters.
-    """
-    text = one_line(str(exc))
-    if with_type or not text:
-        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    if limit is not None and len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text

@@ -1,25 +1,16 @@
 """Parallel layouts: which rank counts which array, so every element counts exactly once.
 
-The rule: the gradient's norm is taken over every element of the model exactly
-once, with ONE all-reduce over the whole world. A rank holds disjoint shards
-(counted where they are) and copies of tensors that a group of ranks holds
-identically (a DP replica group, the TP ranks for a layer norm, the first and
-last pipeline stage for a tied embedding). A copy counts on its group's rank 0
-only: exact, no division by the number of copies, no extra collective.
+A rank holds disjoint shards (counted where they are) and copies of tensors that a group of
+ranks holds identically (a DP replica group, the TP ranks for a layer norm, the first and last
+pipeline stage for a tied embedding). A copy counts on its group's rank 0 only: exact, no
+division by the number of copies, no extra collective. ``replicated=`` takes one entry per
+array: ``False`` (a shard), ``True`` (the same on every rank of ``comm``), or a communicator
+(a subgroup of ``comm``; a :class:`Group` on simulated ranks) of the ranks holding copies.
 
-``replicated=`` takes one entry per array:
-
-- ``False``: a shard, counted on this rank;
-- ``True``: the same on every rank of ``comm``;
-- a communicator (mpi4py, a subgroup of ``comm``), or a :class:`Group` on
-  simulated ranks: the ranks that hold identical copies of this array.
-
-The ranks of a group must agree on what they hold. Each rank adds its share of
-two hashed "ring" sums to the header: rank i of a group adds H(group, i, what
-it holds) - H(group, i+1, what it holds), so the sum over a group telescopes
-to exactly 0 when every member holds the same and is not 0 (but with
-probability ~2**-40) otherwise. The header carries it: the check costs no
-collective. :class:`Mesh` names the axes of a layout and builds the groups.
+The ranks of a group must agree on what they hold: rank i of a group adds H(group, i, what it
+holds) - H(group, i+1, what it holds) to two "ring" sums in the engine's header, so the sum over
+a group is exactly 0 when every member holds the same, and not 0 (but with probability ~2**-40)
+otherwise: the check costs no collective. :class:`Mesh` names a layout's axes and builds the groups.
 """
 
 from __future__ import annotations
@@ -119,7 +110,6 @@ def is_group(entry: Any) -> bool:
     return isinstance(entry, Group) or (hasattr(entry, "Get_rank") and hasattr(entry, "Get_size"))
 
 
-# ---------------------------------------------------------------------------
 # who counts what
 
 
@@ -289,7 +279,6 @@ def _held(items: Any) -> str:
     return f"declare {len(items)} array{'s' * (len(items) != 1)} ({shapes})"
 
 
-# ---------------------------------------------------------------------------
 # named meshes
 
 

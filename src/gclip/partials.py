@@ -63,7 +63,6 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
-# ---------------------------------------------------------------------------
 # walking arrays in bounded chunks
 
 
@@ -119,7 +118,6 @@ class _Scratch:
         return out
 
 
-# ---------------------------------------------------------------------------
 # the three kinds of partial (the engine's backend for numpy arrays: count,
 # power_sum, max_abs, scaled_power_sum, binned_digits)
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import drivers, engine, partials, reader
-from .comm import Comm
+from .drivers import Comm
 from .errors import GclipValueError
 from .layout import _holding, is_flag, is_shard, no_copy_here, ranges
 

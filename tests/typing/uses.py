@@ -12,7 +12,7 @@ from typing_extensions import assert_type
 
 import gclip
 from gclip import drivers, engine
-from gclip.comm import Comm
+from gclip.drivers import Comm
 
 a = np.ones(3)
 assert_type(gclip.apply_scale(a, 0.5), np.ndarray)

@@ -1,4 +1,4 @@
-"""gclip.comm: the Comm protocol is what the core needs of a communicator, and no more."""
+"""gclip.drivers.Comm: the Comm protocol is what the core needs of a communicator, and no more."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import gclip
-from gclip.comm import Comm
+from gclip.drivers import Comm
 
 
 class Recording:

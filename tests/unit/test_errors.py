@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gclip import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
+from gclip._lab.lines import exception_line
 from gclip.engine import agreed_error
-from gclip.errors import exception_line, one_line
+from gclip.errors import one_line
 
 
 def test_the_class_of_the_failing_rank_is_kept():

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .. import engine
-from ..errors import GclipError, exception_line
+from ..errors import GclipError
+from .lines import exception_line
 from .mpirun import MpirunNotFound
 
 __all__ = [

@@ -7,8 +7,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .._lab.lines import exception_line
 from ..engine import HEADER_SIZE
-from ..errors import exception_line
 from ..gallery import TORCH_EPS
 from .timing import slowest_rank_medians, time_reps
 from .workloads import DELTA, INACTIVE_FACTOR

@@ -56,7 +56,7 @@ def call_numpy(
 ) -> dict:
     """Call ``fn(grads, max_norm, comm, *extra)`` on copies; its outcome as an event
     (``attrs``: per array, the attributes it carries, see ``params``)."""
-    from ..errors import exception_line
+    from .._lab.lines import exception_line
     from .outcome import before
     from .params import with_attributes
 
@@ -76,7 +76,7 @@ def _call_torch(fn: Any, arrays: list[np.ndarray], max_norm: float, group: Any, 
     (``attrs``: per parameter, the attributes set on it, see ``params``)."""
     import torch
 
-    from ..errors import exception_line
+    from .._lab.lines import exception_line
     from .outcome import before, changed, encode
 
     params = []
@@ -115,7 +115,7 @@ def main(jobdir: str) -> int:
     sink = early or _Sink(os.path.join(jobdir, f"rank{world.Get_rank()}.jsonl"))
     if early is None:
         sink({"e": "hello", "pid": os.getpid()})
-    from ..errors import exception_line
+    from .._lab.lines import exception_line
     from . import recorder
     from .target import form_error, load
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._lab.jsonout import dumps
-from ..errors import exception_line
+from .._lab.lines import exception_line
 from .target import LoadError, Target, form_error, load
 
 __all__ = ["MESSAGE_LIMIT", "Outcome", "Worker", "rows_of", "serve", "start"]
