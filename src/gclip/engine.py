@@ -29,7 +29,6 @@ import numpy as np
 from . import layout, partials, policy, reader
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError, one_line
 from .layout import EVERY_ARRAY, Counting
-from .partials import root
 
 __all__ = [
     "EVERY_ARRAY",
@@ -56,6 +55,7 @@ __all__ = [
     "norm_type",
     "program",
     "rescued",
+    "root",
     "scale",
 ]
 
@@ -455,6 +455,19 @@ def rescued(counted: Sequence[Any], p: float, backend: Any, *, alone: bool = Fal
             yield from _agree_late(error)
         s = float(got[0])
     return top * root(s, 0, p)
+
+
+def root(mant: float, exp: int, p: float) -> float:
+    """The norm from a sum of |x|**p given as mant * 2**(p*exp): (mant * 2**(p*exp)) ** (1/p),
+    without overflow in the middle."""
+    mant = float(mant)
+    if mant == 0.0 or not math.isfinite(mant):
+        return mant
+    try:
+        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
+        return math.ldexp(r, exp)
+    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
+        return math.inf
 
 
 def _agree_late(error: BaseException | None) -> Step:

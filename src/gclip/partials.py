@@ -36,7 +36,6 @@ __all__ = [
     "multiply_by",
     "needs_rescue",
     "power_sum",
-    "root",
     "scaled_power_sum",
 ]
 
@@ -181,19 +180,6 @@ def needs_rescue(total: float, any_nonzero: Callable[[], bool], any_nonfinite: C
     if not math.isfinite(total) and any_nonfinite():
         return False  # the data holds inf or NaN
     return True
-
-
-def root(mant: float, exp: int, p: float) -> float:
-    """The norm from a sum of |x|**p given as mant * 2**(p*exp): (mant * 2**(p*exp)) ** (1/p),
-    without overflow in the middle."""
-    mant = float(mant)
-    if mant == 0.0 or not math.isfinite(mant):
-        return mant
-    try:
-        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
-        return math.ldexp(r, exp)
-    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
-        return math.inf
 
 
 def _compiled_sumsq(arrays: Sequence[np.ndarray]) -> tuple[float, Sequence[np.ndarray]]:
@@ -514,5 +500,5 @@ class BinnedPowerSum:
 
     def power(self, combined: np.ndarray) -> tuple[float, int]:
         """The combined sum as (mant, exp), sum = mant * 2**(p*exp), from one decoding of the
-        digits (the engine's ``root`` gives the norm)."""
+        digits (``engine.root`` gives the norm)."""
         return self._power(self.exact(combined))

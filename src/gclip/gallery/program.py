@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import engine, partials
-from ..engine import NormOp, Reduce
+from ..engine import NormOp, Reduce, root
 from ..errors import GclipValueError, NonFiniteNormError
-from ..partials import root
 from .bugs import GLOBAL, STRATEGIES, Accumulate, Scope, Share, Strategy, unknown
 
 __all__ = ["Outcome", "Result", "program", "strategy"]
