@@ -47,6 +47,7 @@ class Piece(NamedTuple):
     scale: float | None  # the factor the optimizer's gradient is of it (None: it was zero)
     uniform: bool  # every value got that factor
     dtype: str
+    placed: bool = False  # a DTensor's local piece (its placements say who holds copies)
 
 
 class Row(NamedTuple):
@@ -134,10 +135,24 @@ def candidate_norms(rows: Sequence[Row]) -> dict[str, list[float]]:
         out["pp-stages-apart"] = [
             math.sqrt(math.fsum(own[q] for q in range(size) if stages[q] == stages[r])) for r in range(size)
         ]
-    kinds = {p.copies for row in rows for p in row.pieces if len(p.holders) > 1}
-    if kinds:  # every copy counted: replicas (DDP, HSDP) or TP duplicates summed as if shards
+    # every copy counted: replicas (DDP, HSDP) or TP duplicates summed as if shards; all of
+    # them, or only the plain tensors' (declared shards), the DTensors read from their placements
+    for plain_only in (False, True):
+        summed = [(p, row.rank) for row in rows for p in row.pieces if not (plain_only and p.placed)]
+        kinds = {p.copies for p, _ in summed if len(p.holders) > 1}
+        if not kinds:
+            continue
         name = "dp-replicas-summed" if "dp" in kinds else "tp-duplicates-summed"
-        out[name] = [math.sqrt(math.fsum(every))] * size
+        total = math.fsum(p.sumsq for p, r in summed) + math.fsum(
+            p.sumsq
+            for row in rows
+            for p in row.pieces
+            if plain_only and p.placed and p.holders[0] == row.rank
+        )
+        if name not in out:
+            out[name] = [math.sqrt(total)] * size
+        else:
+            out[f"{name} (plain tensors)"] = [math.sqrt(total)] * size
     norms = [math.sqrt(o) for o in own]
     count = sum(p.count for row in rows for p in row.pieces if p.holders[0] == row.rank)
     out["rank0-norm"] = [norms[0]] * size
@@ -278,6 +293,7 @@ def _match(
                 return "pass", None, ["global"], ()
             return "near miss", "epsilon", ["epsilon"], tuple(e for e in extra if e != EPSILON)
         found = [name for name in norms if name in shows and fits(norms[name], eps, rtol)]
+        found = list(dict.fromkeys(name.split(" (")[0] for name in found))  # a variant is its bug
         if found:
             return "fail", found[0], found, extra
     return "fail", "unknown", [], ()
