@@ -11,8 +11,10 @@ call. The kernels compute what the numpy code in ``partials`` computes:
   as their bits;
 - ``digits``: the reproducible mode's digit counts: in the bins the result
   keeps, the very integers of the numpy folds (the same round-half-even
-  extraction; a top bin per block of KERNEL_BLOCK_BYTES where numpy's blocks
-  hold BLOCK values, which changes no digit the result keeps);
+  extraction; a top bin per block of KERNEL_BLOCK_BYTES, or for float32 per run
+  of such blocks none of which rises above its first one's, where numpy's blocks
+  hold BLOCK values: any top bin from a block's own up to the global one gives
+  the same digits in the bins the result keeps);
 - ``multiply_table``: x *= s in place (float32 arrays by the float32 scale given).
 
 A list of arrays goes in one call through a :class:`Table` of (address, size,
@@ -80,7 +82,7 @@ class Table(NamedTuple):
     def overlaps(self) -> bool:
         """Do any two compiled entries share memory (the same array twice included)? A yes or no
         for the whole list at once, vectorised: where it says yes, the checks read the list item
-        by item and ``_validate.same_memory`` says which arrays, and whether they are repeats."""
+        by item and ``reader.same_memory`` says which arrays, and whether they are repeats."""
         return bool(_overlaps(self))
 
 

@@ -63,10 +63,10 @@ def assert_conforms(
     gallery bug ``fn`` reproduces when it is one. On one rank it warns
     (``UserWarning``): a per-rank clip cannot be told from the global one there.
     """
-    from .._validate import communicator
     from ..conformance.families import DTYPES, Family
     from ..conformance.inprocess import conforms
     from ..conformance.target import form_error
+    from ..drivers import communicator
 
     comm = communicator(comm)
     if comm.Get_size() == 1:
