@@ -10,6 +10,7 @@ the lab around it is the subpackages: ``gallery`` (the bugs), and, each run as
 ``bench``. See docs/architecture.md.
 """
 
+from .adaptive import AGC, AutoClip, ZClip
 from .clip import (
     ClipResult,
     apply_scale,
@@ -25,6 +26,8 @@ from .layout import Group, Mesh, Placement
 from .replicas import check_replicas, explain
 
 __all__ = [
+    "AGC",
+    "AutoClip",
     "ClipResult",
     "GclipError",
     "GclipTypeError",
@@ -33,6 +36,7 @@ __all__ = [
     "Mesh",
     "NonFiniteNormError",
     "Placement",
+    "ZClip",
     "apply_scale",
     "check_replicas",
     "clip_by_global_norm",

@@ -58,7 +58,10 @@ from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
+    "AGC",
     "FLOAT_DTYPES",
+    "AutoClip",
+    "ZClip",
     "check_replicas",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
@@ -358,3 +361,5 @@ def check_replicas(
 from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
 
 clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)
+
+from .adaptive.torch import AGC, AutoClip, ZClip  # noqa: E402 - the adaptive clippers, over this module's norm

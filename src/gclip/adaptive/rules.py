@@ -171,5 +171,5 @@ class ZClipRule:
 
     def load(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.warmup = [tuple(w) for w in state["warmup"]]  # type: ignore[misc]
+        self.warmup = [(x, f) for x, f in state["warmup"]]
         self.mean, self.var = state["mean"], state["var"]

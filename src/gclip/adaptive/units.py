@@ -60,7 +60,7 @@ def unit_factor(p_sq: Any, g_sq: Any, clipping: float, eps: float, xp: Any) -> A
 
 def _unit_sq(x: np.ndarray, axes: tuple[int, ...] | None) -> np.ndarray:
     x64 = np.asarray(x, dtype=np.float64)
-    return np.sum(x64 * x64, axis=axes, keepdims=True) if axes else np.sum(x64 * x64, keepdims=True)
+    return np.asarray(np.sum(x64 * x64, axis=axes, keepdims=True))
 
 
 class AGC:
