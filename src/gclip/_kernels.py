@@ -7,7 +7,8 @@ call. The kernels compute what the numpy code in ``partials`` computes:
 
 - ``sumsq``: sum of float64(x)**2 (float64 accumulators, reordered freely: the
   order of a float sum is not part of the default mode's contract, its accuracy
-  is: ~1e-13 at 1e7 elements);
+  is: ~1e-13 at 1e7 elements); float32, float64, and float16 and bfloat16 given
+  as their bits;
 - ``digits``: the reproducible mode's digit counts: in the bins the result
   keeps, the very integers of the numpy folds (the same round-half-even
   extraction; a top bin per block of KERNEL_BLOCK_BYTES where numpy's blocks
@@ -111,6 +112,7 @@ class Kernels:
         self._layout = layout
         self.sumsq_f32 = fns.sumsq  # one 1-D float32 or float64 array
         self.sumsq_bf16 = fns.sumsq_bf16  # one 1-D uint16 array: bfloat16 bits (gclip.torch)
+        self.sumsq_f16 = fns.sumsq_f16  # one 1-D contiguous uint16 array: float16 bits
 
     def table(self, arrays: Any, writable: bool = False) -> Table | None:
         """The arrays' table: read from the headers in one compiled call, or where they cannot

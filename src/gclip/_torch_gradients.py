@@ -1,4 +1,4 @@
-"""The gradients that ``gclip.torch`` clips, read for the call layer (``gclip.call``).
+"""The gradients that ``gclip.torch`` clips, read for the engine (``engine.check``).
 
 A parameter's ``.grad`` (None skipped, as torch does) or a tensor itself; a
 DTensor as its local tensor and the entry its placements imply (``gclip._dtensor``).
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _dtensor, _torch_partials, _validate, call
+from . import _dtensor, _torch_partials, _validate, engine
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["FLOAT_DTYPES", "Gradients", "backend", "gradients"]
@@ -49,7 +49,7 @@ def _checked(g: Any, where: str) -> torch.Tensor:
 
 
 class Gradients(NamedTuple):
-    """The gradients read for one call (the call layer's ``given``, see ``gclip.call``)."""
+    """The gradients read for one call: the arrays as read (``engine.Grads``)."""
 
     tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
     entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
@@ -62,7 +62,7 @@ class Gradients(NamedTuple):
 
 
 def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, foreach: bool | None) -> Any:
-    """The call layer's reader for tensors: (the gradients, each distinct one once, their entries)."""
+    """The engine's reader for tensors: (the gradients, each distinct one once, their entries)."""
     read = gradients(items, replicated, of_parameters=of_parameters)._replace(foreach=foreach)
     if inplace:  # refused here, the error is agreed; torch's multiply would raise on this rank alone
         for g, where in zip(read.tensors, read.wheres):
@@ -75,10 +75,10 @@ def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, fo
 
 
 @functools.cache
-def backend(of_parameters: bool, foreach: bool | None) -> call.Backend:
-    """Tensors as the call layer reads them (parameters' .grad, or the tensors themselves)."""
+def backend(of_parameters: bool, foreach: bool | None) -> engine.Backend:
+    """Tensors as the engine reads them (parameters' .grad, or the tensors themselves)."""
     read = functools.partial(_read, of_parameters=of_parameters, foreach=foreach)
-    return call.Backend(read, _torch_partials)
+    return engine.Backend(read, _torch_partials)
 
 
 def gradients(items: Any, replicated: Any, *, of_parameters: bool) -> Gradients:

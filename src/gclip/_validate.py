@@ -4,7 +4,7 @@ Nothing here talks to MPI. The API calls these on every rank, keeps what they
 raise, and lets the engine agree on it (see ``errors``), so a bad argument on
 one rank is the same error on every rank.
 
-:func:`read` is how the call layer (``gclip.call``) reads numpy arrays: a
+:func:`read` is how the engine (``engine.check``) reads numpy arrays: a
 :class:`Grads`, which gives the clip's result back in the layout given
 (:meth:`Grads.scaled`: the factor applied by the numpy backend, ``partials``).
 """
@@ -134,7 +134,7 @@ class Grads(NamedTuple):
             return _like(self.source, outputs[0])
         items = outputs if self.slots is None else [outputs[s] for s in self.slots]
         if self.source is not None:
-            items = [_like(src, out) for src, out in zip(self.source, items)]
+            items = list(map(_like, self.source, items))
         return tuple(items) if self.container is tuple else items
 
     def as_given(self) -> Any:
@@ -146,7 +146,12 @@ class Grads(NamedTuple):
         place, the very objects given (a factor of exactly 1 touches nothing); else new arrays
         of the same dtypes, laid out as given, then filled."""
         out = self.arrays if inplace else list(map(np.empty_like, self.arrays))
-        result = self.source if inplace else self.rebuild(out)
+        if inplace:
+            result = self.source
+        elif self.container is None and type(self.source) is np.ndarray:  # one plain array: its copy
+            result = out[0]
+        else:
+            result = self.rebuild(out)
         partials.multiply_by(self.arrays, factor, out)
         return result
 
@@ -174,7 +179,7 @@ def _same_entry(a: Any, b: Any) -> bool:
 
 
 def read(value: Any, replicated: Any, inplace: bool) -> tuple[Grads, list[np.ndarray], Sequence[Any] | None]:
-    """The call layer's reader for numpy arrays: (the checked :class:`Grads`, its distinct
+    """The engine's reader for numpy arrays: (the checked :class:`Grads`, its distinct
     arrays, their ``replicated=`` entries or None)."""
     given = grads(value, inplace)
     entries = None if replicated is None else given.per_array(entries_of(replicated, "array"), "replicated")
@@ -408,6 +413,11 @@ def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
 
 def communicator(comm: Any) -> Any:
     """The communicator to clip over, or a one-line error (raised alike on every rank)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(comm, mpi.Comm):  # the usual case, checked first
+        if comm.Get_size() == 1 and comm == mpi.COMM_WORLD:  # COMM_WORLD spelled out: the same trap
+            refuse_lone_rank("comm=MPI.COMM_WORLD:")
+        return comm
     if comm is None:
         from mpi4py import MPI
 
@@ -420,14 +430,7 @@ def communicator(comm: Any) -> Any:
         if "torch" in type(comm).__module__:
             hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
         raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
-    if comm.Get_size() == 1 and _is_comm_world(comm):  # COMM_WORLD spelled out: the same trap
-        refuse_lone_rank("comm=MPI.COMM_WORLD:")
-    return comm
-
-
-def _is_comm_world(comm: Any) -> bool:
-    MPI = sys.modules.get("mpi4py.MPI")
-    return MPI is not None and isinstance(comm, MPI.Comm) and comm == MPI.COMM_WORLD
+    return comm  # an object with mpi4py's methods (a test's fake), never COMM_WORLD
 
 
 # launchers that say how many processes they started; MPI seeing one means it was not told

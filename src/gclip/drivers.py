@@ -1,9 +1,10 @@
-"""Drivers: what runs the engine's programs (``engine.norm_program``, ``call.program``).
+"""Drivers: what runs the engine's programs (``engine.program``, and the lab's own).
 
 A program yields collectives (``engine.Reduce``, ``engine.Gather``) and is sent their
-results. :func:`drive` is the one loop that answers them on one real rank, given an
-all-reduce and an all-gather: :class:`Mpi` gives it mpi4py's (one buffer-based
-``Allreduce`` per ``Reduce``), ``gclip.torch`` gives it torch.distributed's.
+results. :meth:`Driver.run` is the one loop that answers them on one real rank, with
+the driver's all-reduce and all-gather: :class:`Mpi` has mpi4py's (one buffer-based
+``Allreduce`` per ``Reduce``); :func:`drive` takes them as functions (``gclip.torch``:
+torch.distributed's).
 :func:`run_simulated` runs R programs in lockstep in one process, as R ranks would
 (the judge, the seed contract, the demo and the unit tests).
 """
@@ -20,9 +21,52 @@ from .comm import Comm
 from .engine import Gather, NormOp, Reduce
 from .errors import GclipError
 
-__all__ = ["Mpi", "drive", "run_mpi", "run_simulated"]
+__all__ = ["Driver", "Mpi", "drive", "run_mpi", "run_simulated"]
 
 T = TypeVar("T")
+
+
+class Driver:
+    """A real rank's driver: each Reduce through :meth:`all_reduce`, each Gather through
+    :meth:`all_gather`; :meth:`run` is the one loop."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
+        raise NotImplementedError
+
+    def all_gather(self, item: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def run(self, program: Generator[Reduce | Gather, Any, T]) -> T:
+        """Run a program on this rank: returns what it returns (``engine.program``: the norm
+        and the factor)."""
+        try:
+            request = next(program)
+            while True:
+                if type(request) is Reduce:
+                    request = program.send(self.all_reduce(request.data, request.op))
+                else:
+                    request = program.send(self.all_gather(request.item))  # type: ignore[union-attr]
+        except StopIteration as done:
+            result: T = done.value
+            return result
+
+
+class _Given(Driver):
+    """A driver of the collectives given as functions."""
+
+    def __init__(
+        self, reduce: Callable[[np.ndarray, NormOp], np.ndarray], gather: Callable[[Any], list[Any]]
+    ):
+        self._reduce, self._gather = reduce, gather
+
+    def all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
+        return self._reduce(data, op)
+
+    def all_gather(self, item: Any) -> list[Any]:
+        return self._gather(item)
 
 
 def drive(
@@ -30,22 +74,11 @@ def drive(
     all_reduce: Callable[[np.ndarray, NormOp], np.ndarray],
     all_gather: Callable[[Any], list[Any]],
 ) -> T:
-    """Run a program on one rank: each Reduce through ``all_reduce(data, op)``, each Gather
-    through ``all_gather(item)`` (a driver: MPI here, torch.distributed in ``gclip.torch``).
-    Returns what the program returns (a NormInfo; ``gclip.call``'s programs: the call's result)."""
-    try:
-        request = next(program)
-        while True:
-            if type(request) is Reduce:
-                request = program.send(all_reduce(request.data, request.op))
-            else:
-                request = program.send(all_gather(request.item))  # type: ignore[union-attr]
-    except StopIteration as done:
-        result: T = done.value
-        return result
+    """Run a program on one rank with these collectives (``gclip.torch``: torch.distributed's)."""
+    return _Given(all_reduce, all_gather).run(program)
 
 
-class Mpi:
+class Mpi(Driver):
     """The MPI driver: runs programs on this rank of an mpi4py communicator, one buffer-based
     ``Allreduce`` per ``Reduce``."""
 
@@ -53,14 +86,14 @@ class Mpi:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
-    def run(self, program: Generator[Reduce | Gather, Any, T]) -> T:
-        return drive(program, self._all_reduce, self.comm.allgather)
-
-    def _all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
+    def all_reduce(self, data: np.ndarray, op: NormOp) -> np.ndarray:
         MPI = _mpi()
         out = np.empty(data.size)
         self.comm.Allreduce(data, out, op=MPI.MAX if op is NormOp.MAX else MPI.SUM)
         return out
+
+    def all_gather(self, item: Any) -> list[Any]:
+        return self.comm.allgather(item)
 
 
 def run_mpi(program: Generator[Reduce | Gather, Any, T], comm: Comm) -> T:

@@ -38,13 +38,13 @@ __all__ = [
     "chunk_size",
     "count",
     "float32_toward_zero",
-    "half_power_sum",
     "iter_chunks",
     "left_to_numpy",
     "max_abs",
     "multiply_by",
     "needs_rescue",
     "power_sum",
+    "root",
     "scaled_power_sum",
 ]
 
@@ -66,6 +66,7 @@ def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
 
 _FLOAT64 = np.dtype(np.float64)
 _FLOAT32 = np.dtype(np.float32)
+_FLOAT16 = np.dtype(np.float16)  # native byte order only: the kernels read its bits
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
@@ -108,26 +109,32 @@ class _Scratch:
         return self._buf[:n]
 
     def abs64(self, chunk: np.ndarray) -> np.ndarray:
+        """|chunk| in float64, in the buffer."""
         out = self.get(chunk.size)
         np.abs(chunk, out=out)  # converts to float64 on the way
         return out
 
     def as64(self, chunk: np.ndarray) -> np.ndarray:
+        """The chunk in float64: itself, or converted into the buffer (``get``'s growth written
+        out: this is the hot path of a list of small float32 arrays)."""
         if chunk.dtype == _FLOAT64:
             return chunk
-        out = self.get(chunk.size)
+        n = chunk.size
+        if self._buf.size < n:
+            self._buf = np.empty(min(max(n, 2 * self._buf.size), self._chunk), dtype=np.float64)
+        out = self._buf[:n]
         np.copyto(out, chunk, casting="safe")
         return out
 
 
 # ---------------------------------------------------------------------------
 # the three kinds of partial (the engine's backend for numpy arrays: count,
-# power_sum, max_abs, scaled_power_sum, half_power_sum, binned_digits)
+# power_sum, max_abs, scaled_power_sum, binned_digits)
 
 
 def count(arrays: Sequence[np.ndarray]) -> int:
     """Elements in the arrays."""
-    return sum([a.size for a in arrays])
+    return arrays[0].size if len(arrays) == 1 else sum([a.size for a in arrays])
 
 
 def binned_digits(binned: BinnedPowerSum, arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -145,7 +152,7 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     rescue: the norm IS inf or NaN.
     """
     total = 0.0
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below (a dot warns too)
         rest = arrays
         if p == 2.0 and len(arrays) >= _kernels.MANY:  # many arrays: one compiled call for all
             total, rest = _compiled_sumsq(arrays)
@@ -161,6 +168,8 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
             scratch = _Scratch(chunk)
             for a in left:
                 total += _chunked_sum(a, p, scratch, chunk)
+    if _SAFE_LO <= total <= _SAFE_HI:  # the common case, without building the questions below
+        return total, False
     return total, needs_rescue(
         total,
         lambda: any(np.any(c) for a in arrays for c in iter_chunks(a)),
@@ -182,6 +191,26 @@ def needs_rescue(total: float, any_nonzero: Callable[[], bool], any_nonfinite: C
     if not math.isfinite(total) and any_nonfinite():
         return False  # the data holds inf or NaN
     return True
+
+
+def root(mant: float, exp: int, p: float) -> float:
+    """The norm from a sum of |x|**p given as mant * 2**(p*exp): (mant * 2**(p*exp)) ** (1/p),
+    without overflow in the middle."""
+    mant = float(mant)
+    if mant == 0.0 or not math.isfinite(mant):
+        return mant
+    try:
+        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
+        return math.ldexp(r, exp)
+    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
+        return math.inf
+
+
+def _ldexp(mant: float, exp: int) -> float:
+    try:
+        return math.ldexp(mant, exp)
+    except OverflowError:
+        return math.inf
 
 
 def _compiled_sumsq(arrays: Sequence[np.ndarray]) -> tuple[float, Sequence[np.ndarray]]:
@@ -206,16 +235,19 @@ _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 def _one_call_sum(a: np.ndarray, p: float) -> float | None:
     """sum x**2 in one call with no working buffer (BLAS dot on float64, the
-    compiled kernel on large float32), or None: the chunked route is needed."""
+    compiled kernels on large float32 and float16), or None: the chunked route is needed."""
     if p != 2.0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
         return None
     if a.dtype == _FLOAT64:
         flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
-        return float(np.dot(flat, flat))
-    if a.dtype == _FLOAT32 and a.size >= _kernels.MIN_SIZE:
+        return float(flat.dot(flat))
+    if a.size >= _kernels.MIN_SIZE and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation
-            return float(kernels.sumsq_f32(a if a.ndim == 1 else a.ravel(order="K")))
+            flat = a if a.ndim == 1 else a.ravel(order="K")
+            if a.dtype == _FLOAT32:
+                return float(kernels.sumsq_f32(flat))
+            return float(kernels.sumsq_f16(flat.view(np.uint16)))
     return None
 
 
@@ -232,18 +264,6 @@ def _chunked_sum(a: np.ndarray, p: float, scratch: _Scratch, chunk: int) -> floa
             np.power(b, p, out=b)
             total += float(np.add.reduce(b))
     return total
-
-
-def half_power_sum(arrays: Sequence[np.ndarray], p: float) -> float:
-    """sum |x|**p accumulated in float16, as a half-precision framework would: a
-    deliberate bug of the gallery (overflows at 65504)."""
-    total = np.float16(0.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for a in arrays:
-            for c in iter_chunks(a):
-                h = np.abs(c).astype(np.float16)
-                total = np.float16(total + np.sum(h**p if p != 1.0 else h, dtype=np.float16))
-    return float(total)
 
 
 def max_abs(arrays: Sequence[np.ndarray]) -> tuple[float, bool]:

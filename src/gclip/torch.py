@@ -48,7 +48,6 @@ from . import (
     _torch_partials,
     _torch_replicas,
     _validate,
-    call,
     clip,
     drivers,
     engine,
@@ -94,7 +93,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: call.Program) -> call.Done:
+    def run(self, program: engine.Program) -> tuple[float, float]:
         return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -172,19 +171,32 @@ def _mpi_world() -> Any:
 
 
 def _run(
-    items: Any, max_norm: Any, backend: call.Backend, *, comm: Any, replicated: Any, **settings: Any
+    items: Any, max_norm: Any, backend: engine.Backend, *, comm: Any, replicated: Any, **settings: Any
 ) -> torch.Tensor:
-    """One call through the call layer (``gclip.call``), run over ``comm``: the global norm as
-    torch returns it, a 0-d tensor on the first gradient's device (in float64)."""
+    """One call of the engine (``gclip.engine``), run over ``comm``, the gradients scaled in place
+    unless ``max_norm`` is ``engine.NO_LIMIT``: the global norm as torch returns it, a 0-d tensor
+    on the first gradient's device (in float64)."""
     world = _world(comm)
 
     def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
         return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
-    done = call.run(items, max_norm, world, backend, replicated=replicated, counting=counting, **settings)
-    device = done.arrays[0].device if done.arrays else "cpu"
+    args = engine.check(
+        items,
+        max_norm,
+        backend,
+        rank=world.rank,
+        size=world.size,
+        replicated=replicated,
+        counting=counting,
+        **settings,
+    )
+    norm, scale = world.run(engine.program(args))
+    if max_norm is not engine.NO_LIMIT:
+        args.grads.scaled(scale, True)
+    device = args.arrays[0].device if args.arrays else "cpu"
     # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
-    return torch.full((), done.info.norm, dtype=torch.float64, device=device)
+    return torch.full((), norm, dtype=torch.float64, device=device)
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +234,7 @@ def get_total_norm(
     """
     return _run(
         tensors,
-        call.NO_LIMIT,
+        engine.NO_LIMIT,
         _torch_gradients.backend(False, None),
         comm=comm,
         replicated=replicated,
@@ -283,34 +295,17 @@ def clip_grad_norm_(
         The global norm before clipping: a float64 0-d tensor on the first
         gradient's device, the same value on every rank.
     """
-    return clip_grad_norm_by(
-        engine.CORRECT,
-        parameters,
-        max_norm,
-        norm_type=norm_type,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-        comm=comm,
-        replicated=replicated,
-        reproducible=reproducible,
-    )
-
-
-@torch.no_grad()
-def clip_grad_norm_by(
-    steps: engine.Steps,
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    *,
-    foreach: bool | None = None,
-    replicated: Sequence[Any] | None = None,
-    comm: Any = None,
-    **settings: Any,
-) -> torch.Tensor:
-    """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     backend = _torch_gradients.backend(True, foreach)
     return _run(
-        parameters, max_norm, backend, comm=comm, replicated=replicated, steps=steps, inplace=True, **settings
+        parameters,
+        max_norm,
+        backend,
+        comm=comm,
+        replicated=replicated,
+        norm_type=norm_type,
+        error_if_nonfinite=error_if_nonfinite,
+        reproducible=reproducible,
+        inplace=True,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from .._lab.cli import rank_size
 from .collectives import collective_counts
 from .lists import bench_list
+from .machine import describe_machine
 from .memory import check_memory, first_call_memory, measure_memory
 from .ops import bench_case, torch_setup, torch_teardown
 from .options import PROG, THREAD_VARS, threads
@@ -131,6 +132,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "caches": "cold: L1/L2 evicted before each call" if args.cold else "warm: after an untimed call",
         "delta": DELTA,
         "environment": _environment(np),
+        "machine": describe_machine(),
         "torch": torch_ctx.torch.__version__ if torch_ctx is not None else None,
         "torch_note": torch_note,
         "allreduce_s": ar,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .machine import machine_line
+
 __all__ = [
     "columns",
     "find_row",
@@ -57,6 +59,12 @@ def columns(lines: list[list[str]]) -> str:
     return "\n".join(text)
 
 
+def _cpu(result: dict[str, Any]) -> str:
+    """The CPU, for the headings of the tables below the first (whose line names the whole machine)."""
+    machine = result.get("machine")
+    return f"on {machine['cpu']['model']}, as above" if machine else "machine not recorded"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human table: one line per (dtype, size, clip state)."""
     rows = result["rows"]
@@ -86,7 +94,7 @@ def format_table(result: dict[str, Any]) -> str:
                 fmt_t(t64["median_s"]) if t64 else "-",
             ]
         lines.append(line)
-    out = [columns(lines)]
+    out = [machine_line(result.get("machine")), columns(lines)]
     out.append("")
     out.append(
         f"{result['ranks']} ranks, {result['threads']} thread(s) per rank; {result['timing']};"
@@ -111,10 +119,12 @@ def format_table(result: dict[str, Any]) -> str:
             f" / {fmt_bytes(m['shard_bytes']):>9s} = {m['ratio'] * 100:.3g}%   rss +{rss}"
         )
     if result.get("lists"):
-        out.append("lists of arrays, per rank (time per clip, slowest rank, median):")
+        out.append(f"lists of arrays, per rank (time per clip, slowest rank, median; {_cpu(result)}):")
         out.append(format_lists(result["lists"]))
     if result.get("torch_lists"):
-        out.append("gclip.torch on torch parameters, per rank (gloo group; slowest rank, median):")
+        out.append(
+            f"gclip.torch on torch parameters, per rank (gloo group; slowest rank, median; {_cpu(result)}):"
+        )
         out.append(format_torch_lists(result["torch_lists"]))
     first = result.get("first_call")
     if first:
@@ -125,7 +135,10 @@ def format_table(result: dict[str, Any]) -> str:
             f" {fmt_bytes(first['reproducible'])}"
         )
     if result.get("steps"):
-        out.append("what clipping adds to a fused AdamW step, per rank (gloo group; slowest rank, median):")
+        out.append(
+            "what clipping adds to a fused AdamW step, per rank"
+            f" (gloo group; slowest rank, median; {_cpu(result)}):"
+        )
         out.append(format_steps(result["steps"]))
     misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:

@@ -1,15 +1,25 @@
-"""``gclip.torch.clip_grad_norm_`` with ``mode=``: a gallery bug, on torch tensors."""
+"""``gclip.torch.clip_grad_norm_`` with ``mode=``: a gallery bug, on torch tensors.
+
+The bug's program (``gclip.gallery.program``) over gclip.torch's reader, driver and
+local sums: the lab runs it itself, gclip.torch has no hook for it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
+from .. import _dtensor, _torch_gradients, _torch_partials, engine
 from .. import torch as gclip_torch
-from .bugs import steps_for
+from .program import program
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "half_power_sum"]
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Any,
     max_norm: float,
@@ -18,15 +28,45 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     *,
     mode: str = "global",
-    **kwargs: Any,
-) -> Any:
+    comm: Any = None,
+    replicated: Sequence[Any] | None = None,
+    reproducible: bool = False,
+) -> torch.Tensor:
     """:func:`gclip.torch.clip_grad_norm_` as bug ``mode`` clips (``"global"``: the correct one)."""
-    return gclip_torch.clip_grad_norm_by(
-        steps_for(mode),
+    world = gclip_torch._world(comm)
+
+    def counting(given: Any, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+        return _dtensor.counting(world, tensors, entries, given.wheres)
+
+    args = engine.check(
         parameters,
         max_norm,
+        _torch_gradients.backend(True, foreach),
+        rank=world.rank,
+        size=world.size,
+        replicated=replicated,
+        counting=counting,
         norm_type=norm_type,
+        reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-        **kwargs,
+        inplace=True,
     )
+    out = world.run(program(mode, args, world.rank))  # type: ignore[arg-type]
+    args.grads.scaled(out.scale, True)
+    device = args.arrays[0].device if args.arrays else "cpu"
+    return torch.full((), out.norm, dtype=torch.float64, device=device)
+
+
+def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
+    """sum |x|**p accumulated in float16, as a half-precision framework would (fp16-sumsq)."""
+    sums = []
+    for t in arrays:
+        for c in _torch_partials.chunks(t, _torch_partials.chunk_size(t.device)):
+            h = c.abs().to(torch.float16)
+            sums.append((h if p == 1.0 else h.pow(p)).sum(dtype=torch.float16))
+    total = np.float16(0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for ps in _torch_partials._per_device(sums).values():
+            for s in torch.stack(ps).cpu().numpy():
+                total = np.float16(total + s)
+    return float(total)
