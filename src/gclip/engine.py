@@ -193,7 +193,9 @@ def _check_settings(
     if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
         raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
     agreed = (("max_norm", math.nan if limit is None else limit), ("error_if_nonfinite", error_if_nonfinite))
-    return Spec(p, reproducible, agreed), limit
+    spec = Spec(p, reproducible, agreed)
+    spec.fingerprint  # noqa: B018 - computed here, once per setting, not in the header
+    return spec, limit
 
 
 _PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe cache keys
@@ -236,18 +238,13 @@ def program(args: Arguments) -> Program:
         got = yield Reduce(digits)
         norm = root(*partials.BinnedPowerSum(p).power(got), p)
     elif total.rescue:  # some rank's plain sum was unusable: the scaled two-pass route
-        norm = yield from rescued(counted, p, _mine, sums)
+        norm = yield from rescued(counted, p, sums)
     else:  # the default path: the header's sum is the whole answer (for L2, root's own sqrt)
         norm = math.sqrt(total.power) if p == 2.0 else root(total.power, 0, p)
     if args.error_if_nonfinite and not math.isfinite(norm):
         holders = yield Gather(not finite)
         raise nonfinite_error(p, norm, holders)
     return norm, 1.0 if args.limit is None else policy.scale(norm, args.limit)
-
-
-def _mine(vec: list[float], fill: float = 0.0) -> np.ndarray:
-    """This rank's part of a rescue's collective: its own numbers."""
-    return np.array(vec, dtype=np.float64)
 
 
 def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNormError:
@@ -336,7 +333,7 @@ def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tupl
     """(sum |x|**p, rescue, norm) of one rank's arrays for a finite p, the norm right even
     where the plain sum over- or underflows (the two-pass rescue, on this rank alone)."""
     power, rescue = backend.power_sum(arrays, p)
-    norm = _run_local(rescued(arrays, p, None, backend)) if rescue else root(power, 0, p)
+    norm = _run_local(rescued(arrays, p, backend, alone=True)) if rescue else root(power, 0, p)
     return power, rescue, norm
 
 
@@ -392,28 +389,25 @@ _ERROR_CLASSES: dict[str, type[GclipError]] = {
 }
 
 
-def rescued(
-    counted: Sequence[Any], p: float, contribution: Callable[..., np.ndarray] | None, backend: Any
-) -> Step:
-    """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
+def rescued(counted: Sequence[Any], p: float, backend: Any, *, alone: bool = False) -> Step:
+    """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed: a MAX of
+    max |x|, then a SUM of (|x| / max)**p (``alone``: this rank's own arrays, no collective).
 
-    ``contribution`` builds this rank's part of a collective; None: this rank alone.
-    Across ranks this runs after the header and reads the arrays again, so a failure
-    here (out of memory, a device error) rides as a flag in the pass's own collective
-    and every rank raises it together.
+    A rank with nothing to count brings 0 to both, the neutral value of each. Across ranks
+    this runs after the header and reads the arrays again, so a failure here (out of memory,
+    a device error) rides as a flag in the pass's own collective and every rank raises it
+    together.
     """
     error: BaseException | None = None
     top, nan = 0.0, False
     try:
         top, nan = backend.max_abs(counted)
-    except Exception as exc:  # agreed in the MAX below (the raise above: alone)
-        if contribution is None:
+    except Exception as exc:  # agreed in the MAX below (alone: raised here)
+        if alone:
             raise
         error = exc
-    if contribution is not None:
-        got = yield Reduce(
-            np.append(contribution([top, float(nan)], -1.0), 1.0 if error else 0.0), NormOp.MAX
-        )
+    if not alone:
+        got = yield Reduce(np.array([top, float(nan), 1.0 if error else 0.0]), NormOp.MAX)
         if got[2] > 0:
             yield from _agree_late(error)
         top, nan = float(got[0]), bool(got[1] > 0)
@@ -425,11 +419,11 @@ def rescued(
     try:
         s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
     except Exception as exc:  # agreed in the SUM below
-        if contribution is None:
+        if alone:
             raise
         error = exc
-    if contribution is not None:
-        got = yield Reduce(np.append(contribution([s]), 1.0 if error else 0.0))
+    if not alone:
+        got = yield Reduce(np.array([s, 1.0 if error else 0.0]))
         if got[1] > 0:
             yield from _agree_late(error)
         s = float(got[0])

@@ -77,12 +77,12 @@ EVERY_ARRAY = Counting()
 def for_ranks(replicated: Any, size: int) -> list[Any]:
     """``replicated=`` of R simulated ranks, one entry per rank: one list for every rank (flags),
     or one list per rank (``replicated[r]``, with :class:`Group` entries for groups)."""
-    per_rank = (
+    lists = (
         isinstance(replicated, (list, tuple))
         and len(replicated) > 0
         and all(isinstance(r, (list, tuple)) for r in replicated)
     )
-    if not per_rank:
+    if not lists:
         return [replicated] * size
     if len(replicated) != size:
         raise GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")

@@ -240,7 +240,7 @@ def _one_call_sum(a: np.ndarray, p: float) -> float | None:
         return None
     if a.dtype == _FLOAT64:
         flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
-        return float(flat.dot(flat))
+        return float(flat.dot(flat))  # the method: np.dot's dispatch costs a Python call
     if a.size >= _kernels.MIN_SIZE and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation

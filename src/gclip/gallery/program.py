@@ -117,15 +117,15 @@ def program(
         got = yield Reduce(np.array(mine, dtype=np.float64), bug.norm_op)
         norm = math.nan if got[1] > 0 else float(got[0])
     elif math.isinf(p):  # MAX of max|x|; NaN travels as a flag
-        got = yield Reduce(_part([part.power, float(part.nan)], -1.0, shares=enters), NormOp.MAX)
+        mine = [part.power, float(part.nan)] if enters else [0.0, 0.0]  # 0: neutral in a MAX of |x|
+        got = yield Reduce(np.array(mine, dtype=np.float64), NormOp.MAX)
         norm = math.nan if got[1] > 0 else float(got[0])
     elif part.digits is not None:  # reproducible: integer digit counts
         got = yield Reduce(part.digits if enters else np.zeros_like(part.digits))
         mant, exp = partials.BinnedPowerSum(p).power(got)
         norm, power = root(mant, exp, p), (mant, exp)
     elif total.rescue:  # some rank's plain sum was unusable: the scaled two-pass route
-        share = functools.partial(_part, shares=enters)
-        norm = yield from engine.rescued(part.counted if enters else (), p, share, sums)
+        norm = yield from engine.rescued(part.counted if enters else (), p, sums)
     else:
         norm, power = root(total.power, 0, p), (total.power, 0)
     if bug.finishes:
@@ -162,12 +162,6 @@ def _local(bug: Strategy, args: engine.Arguments, sums: Any) -> _Part:
     return _Part(counted, count, power, rescue, norm=norm)
 
 
-def _part(vec: list[float], fill: float = 0.0, *, shares: bool) -> np.ndarray:
-    """This rank's part of a collective: its numbers, or ``fill`` (the neutral value) where
-    its partial does not enter."""
-    return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
-
-
 @functools.lru_cache(maxsize=64)
 def _with_mode(spec: engine.Spec, mode: str) -> engine.Spec:
     """The settings the ranks agree on, the bug's name among them."""
@@ -188,15 +182,32 @@ def half_power_sum(arrays: Sequence[Any], p: float, sums: Any) -> float:
     """sum |x|**p accumulated in float16, as a half-precision framework would (overflows at
     65504): numpy arrays here, tensors on their device (``gclip.gallery.torch``)."""
     if sums is not partials:
-        from .torch import half_power_sum as on_tensors
-
-        return on_tensors(arrays, p)
+        return _half_power_sum_of_tensors(arrays, p)
     total = np.float16(0.0)
     with np.errstate(over="ignore", invalid="ignore"):
         for a in arrays:
             for c in partials.iter_chunks(a):
                 h = np.abs(c).astype(np.float16)
                 total = np.float16(total + np.sum(h**p if p != 1.0 else h, dtype=np.float16))
+    return float(total)
+
+
+def _half_power_sum_of_tensors(arrays: Sequence[Any], p: float) -> float:
+    """:func:`half_power_sum` on torch tensors, chunk by chunk on their devices."""
+    import torch  # a tensor was given: torch is imported already
+
+    from .. import _torch_partials as on_device
+
+    sums = []
+    for t in arrays:
+        for c in on_device.chunks(t, on_device.chunk_size(t.device)):
+            h = c.abs().to(torch.float16)
+            sums.append((h if p == 1.0 else h.pow(p)).sum(dtype=torch.float16))
+    total = np.float16(0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for ps in on_device._per_device(sums).values():
+            for s in torch.stack(ps).cpu().numpy():
+                total = np.float16(total + s)
     return float(total)
 
 

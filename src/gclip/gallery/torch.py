@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from .. import _dtensor, _torch_gradients, _torch_partials, engine
+from .. import _dtensor, _torch_gradients, engine
 from .. import torch as gclip_torch
 from .program import program
 
-__all__ = ["clip_grad_norm_", "half_power_sum"]
+__all__ = ["clip_grad_norm_"]
 
 
 @torch.no_grad()
@@ -55,18 +54,3 @@ def clip_grad_norm_(
     args.grads.scaled(out.scale, True)
     device = args.arrays[0].device if args.arrays else "cpu"
     return torch.full((), out.norm, dtype=torch.float64, device=device)
-
-
-def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
-    """sum |x|**p accumulated in float16, as a half-precision framework would (fp16-sumsq)."""
-    sums = []
-    for t in arrays:
-        for c in _torch_partials.chunks(t, _torch_partials.chunk_size(t.device)):
-            h = c.abs().to(torch.float16)
-            sums.append((h if p == 1.0 else h.pow(p)).sum(dtype=torch.float16))
-    total = np.float16(0.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for ps in _torch_partials._per_device(sums).values():
-            for s in torch.stack(ps).cpu().numpy():
-                total = np.float16(total + s)
-    return float(total)
