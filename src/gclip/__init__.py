@@ -22,6 +22,7 @@ from .clip import (
 )
 from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
+from .groups import GroupsResult, clip_groups
 from .layout import Group, Mesh, Placement
 from .replicas import check_replicas, explain
 
@@ -33,6 +34,7 @@ __all__ = [
     "GclipTypeError",
     "GclipValueError",
     "Group",
+    "GroupsResult",
     "Mesh",
     "NonFiniteNormError",
     "Placement",
@@ -40,6 +42,7 @@ __all__ = [
     "apply_scale",
     "check_replicas",
     "clip_by_global_norm",
+    "clip_groups",
     "clip_scale",
     "clip_shards",
     "clip_simulated",

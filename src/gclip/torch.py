@@ -31,8 +31,8 @@ See docs/torch.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from . import (
 )
 from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
+from .groups import program as groups_program
 
 __all__ = [
     "AGC",
@@ -64,6 +65,7 @@ __all__ = [
     "check_replicas",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "clip_groups_",
     "explain",
     "get_total_norm",
 ]
@@ -81,6 +83,9 @@ class _Mpi(drivers.Mpi):
         return layout.Group(layout._members(entry, self.comm, index), entry.Get_rank())
 
 
+_T = TypeVar("_T")
+
+
 class _TorchGroup:
     """A torch.distributed process group: the same program, its header all-reduced by torch."""
 
@@ -93,7 +98,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: engine.Program) -> tuple[float, float]:
+    def run(self, program: Generator[engine.Reduce | engine.Gather, Any, _T]) -> _T:
         return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -351,6 +356,63 @@ def check_replicas(
     world = _world(comm)
     collect = lambda: _torch_gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
     _torch_replicas.check_replicas(world, collect, names)
+
+
+@torch.no_grad()
+def clip_groups_(
+    groups: Iterable[Any],
+    max_norms: Sequence[float | None],
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    comm: Any = None,
+    replicated: Sequence[Any] | None = None,
+    reproducible: bool = False,
+) -> torch.Tensor:
+    """Clip each parameter group's gradients by its own limit and its own GLOBAL norm, in place.
+
+    ``groups``: an optimizer's ``param_groups`` (dicts with "params") or a list of parameter
+    iterables; ``max_norms``: one limit per group, or None (not clipped, its norm reported).
+    Every group's norm comes from the one header all-reduce (``gclip.groups``).
+
+    Returns:
+        Each group's global norm before clipping: a 1-D float64 tensor on the first
+        gradient's device, the same on every rank.
+    """
+    world = _world(comm)
+    params = [list(g["params"]) if isinstance(g, dict) else list(g) for g in groups]
+    limits = list(max_norms)
+    if len(limits) != len(params) or (replicated is not None and len(replicated) != len(params)):
+        raise GclipValueError(f"max_norms and replicated need one entry per group ({len(params)} groups)")
+    backend = _torch_gradients.backend(True, foreach)
+
+    def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+        return _dtensor.counting(world, tensors, entries, given.wheres)
+
+    calls = [
+        engine.check(
+            group,
+            engine.NO_LIMIT if limit is None else limit,
+            backend,
+            rank=world.rank,
+            size=world.size,
+            replicated=None if replicated is None else replicated[i],
+            counting=counting,
+            norm_type=norm_type,
+            reproducible=reproducible,
+            error_if_nonfinite=error_if_nonfinite,
+            inplace=True,
+        )
+        for i, (group, limit) in enumerate(zip(params, limits))
+    ]
+    done = world.run(
+        groups_program(calls, [c.limit if limit is not None else None for c, limit in zip(calls, limits)])
+    )
+    for c, (_, factor) in zip(calls, done):
+        c.grads.scaled(factor, True)
+    device = next((c.arrays[0].device for c in calls if c.arrays), "cpu")
+    return torch.tensor([n for n, _ in done], dtype=torch.float64).to(device, non_blocking=True)
 
 
 from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
