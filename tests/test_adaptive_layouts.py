@@ -46,6 +46,12 @@ def same(a: float, b: float) -> bool:
 
 
 def check(every: list[dict], reference: ReferenceZClip) -> None:
+    for r in every:  # per-group limits: each group's norm, from one all-reduce
+        g = r["groups"]
+        assert g["all_reduces"] == 1, g
+        assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(g["norms"], g["oracle"])), g
+        assert math.isclose(g["after"][0], g["oracle"][0] / 3, rel_tol=1e-6), g  # clipped to its limit
+        assert g["after"][1] == g["oracle"][1], g  # reported, untouched
     steps = every[0]["steps"]
     for r in every[1:]:  # every rank made the same decisions
         assert [s["zclip"] for s in r["steps"]] == [s["zclip"] for s in steps]

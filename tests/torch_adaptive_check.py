@@ -59,6 +59,44 @@ def limit_of(clipper) -> float:
     return float(limit) if limit is not None else math.nan
 
 
+def group_norms(params: list, leader: bool, groups: list[range]) -> list[float]:
+    """math.fsum's norm of each group's full gradients, every tensor once."""
+    every: list = [None] * dist.get_world_size()
+    fulls = [full(p.grad) for p in params]  # a collective over each DTensor's mesh: on every rank
+    mine = [[float(x) ** 2 for i in g for x in fulls[i].tolist()] for g in groups] if leader else []
+    dist.all_gather_object(every, mine)
+    return [
+        math.sqrt(math.fsum(x for theirs in every if theirs for x in theirs[k])) for k in range(len(groups))
+    ]
+
+
+def per_group(params: list, leader: bool, declared) -> dict:
+    """clip_groups_ over two groups (the first clipped to a third of its norm, the second
+    reported), its all-reduces counted."""
+    groups = [range(len(params) // 2), range(len(params) // 2, len(params))]
+    before = group_norms(params, leader, groups)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        norms = gt.clip_groups_(
+            [[params[i] for i in g] for g in groups], [before[0] / 3, None], replicated=declared
+        )
+    finally:
+        dist.all_reduce = real
+    return {
+        "oracle": before,
+        "norms": norms.tolist(),
+        "after": group_norms(params, leader, groups),
+        "all_reduces": len(calls),
+    }
+
+
 def main(layout: str, outdir: str, state: str | None) -> None:
     watchdog()
     dist.init_process_group("gloo")
@@ -73,6 +111,14 @@ def main(layout: str, outdir: str, state: str | None) -> None:
     weights_full = whole_model([full(p.data).reshape(p.shape) for p in params], leader)
     base_full = whole_model([full(b).reshape(p.shape) for p, b in zip(params, base)], leader)
 
+    report: dict = {
+        "rank": rank,
+        "layout": layout,
+        "steps": [],
+        "groups": per_group(params, leader, declared),
+    }
+    for p, b in zip(params, base):
+        p.grad.copy_(b)
     zclip, zclip_one = gt.ZClip(max_grad_norm=None), gt.ZClip(max_grad_norm=None)
     if state:
         saved = torch.load(state)
@@ -80,7 +126,6 @@ def main(layout: str, outdir: str, state: str | None) -> None:
         zclip_one.load_state_dict(saved)
     auto, auto_one = gt.AutoClip(20.0), gt.AutoClip(20.0)
     agc, agc_one = gt.AGC(0.05), gt.AGC(0.05)
-    report: dict = {"rank": rank, "layout": layout, "steps": []}
     for f in factors():
         row: dict = {}
         for name, ours, one in (

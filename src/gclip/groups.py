@@ -25,7 +25,7 @@ from .errors import GclipValueError
 from .layout import Counting
 from .partials import root
 
-__all__ = ["MAX_GROUPS", "GroupsResult", "clip_groups", "program"]
+__all__ = ["MAX_GROUPS", "GroupsResult", "clip_groups", "per_group", "program"]
 
 MAX_GROUPS = 64  # the header carries 2 slots per group, always all of them (see above)
 
@@ -124,6 +124,12 @@ def program(
     return [(n, 1.0 if limit is None else policy.scale(n, limit)) for n, limit in zip(norms, limits)]
 
 
+def per_group(replicated: Any, groups: int) -> list[Any]:
+    """``replicated=`` as one entry per group: a list or tuple is one per group; anything
+    else (None, True, a communicator, a mesh dimension's name) holds for every group."""
+    return list(replicated) if isinstance(replicated, (list, tuple)) else [replicated] * groups
+
+
 def clip_groups(
     groups: Sequence[Any],
     max_norms: Sequence[float | None],
@@ -140,7 +146,8 @@ def clip_groups(
     Args:
         groups: one entry per group: an array, or a list of this rank's arrays.
         max_norms: one limit per group, finite and >= 0, or None (not clipped; norm reported).
-        replicated: None, or one ``replicated=`` entry per group (see ``clip_by_global_norm``).
+        replicated: one ``replicated=`` entry per group (see ``clip_by_global_norm``), or one
+            that is not a list or tuple (True, a communicator...) for every group.
         comm, norm_type, error_if_nonfinite, inplace, reproducible: as in ``clip_by_global_norm``.
 
     Every group's norm comes from the one header all-reduce. Bad input on any rank (a group
@@ -149,7 +156,8 @@ def clip_groups(
     """
     mpi = drivers.Mpi(_validate.communicator(comm))
     groups, limits = list(groups), list(max_norms)
-    if len(limits) != len(groups) or (replicated is not None and len(replicated) != len(groups)):
+    entries = per_group(replicated, len(groups))
+    if len(limits) != len(groups) or len(entries) != len(groups):
         raise GclipValueError(f"max_norms and replicated need one entry per group ({len(groups)} groups)")
     calls = [
         engine.check(
@@ -158,7 +166,7 @@ def clip_groups(
             rank=mpi.rank,
             size=mpi.size,
             comm=mpi.comm,
-            replicated=None if replicated is None else replicated[i],
+            replicated=entries[i],
             norm_type=norm_type,
             reproducible=reproducible,
             error_if_nonfinite=error_if_nonfinite,

@@ -55,6 +55,7 @@ from . import (
 )
 from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
+from .groups import per_group
 from .groups import program as groups_program
 
 __all__ = [
@@ -382,8 +383,8 @@ def clip_groups_(
     """
     world = _world(comm)
     params = [list(g["params"]) if isinstance(g, dict) else list(g) for g in groups]
-    limits = list(max_norms)
-    if len(limits) != len(params) or (replicated is not None and len(replicated) != len(params)):
+    limits, entries = list(max_norms), per_group(replicated, len(params))
+    if len(limits) != len(params) or len(entries) != len(params):
         raise GclipValueError(f"max_norms and replicated need one entry per group ({len(params)} groups)")
     backend = _torch_gradients.backend(True, foreach)
 
@@ -397,7 +398,7 @@ def clip_groups_(
             backend,
             rank=world.rank,
             size=world.size,
-            replicated=None if replicated is None else replicated[i],
+            replicated=entries[i],
             counting=counting,
             norm_type=norm_type,
             reproducible=reproducible,
