@@ -58,7 +58,8 @@ def step(hidden: int, how: str) -> tuple[float, float]:
         gt.clip_groups_([weights, biases], [None, LIMIT])
     updates = [newton_schulz(w.grad) for w in weights]
     if how == "update":  # the clip after the orthogonalisation, over the whole update
-        total = torch.sqrt(sum(u.square().sum() for u in updates) + sum(b.grad.square().sum() for b in biases))
+        squares = [*(u.square().sum() for u in updates), *(b.grad.square().sum() for b in biases)]
+        total = torch.sqrt(sum(squares))
         coef = min(1.0, LIMIT / float(total + 1e-6))
         updates = [u * coef for u in updates]
         for b in biases:
@@ -80,7 +81,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print("hidden  |dW| none  update (atten.)      global (atten.)     groups   |db| none   global (atten.)     groups (atten.)")
+    print(
+        "hidden  |dW| none  update (atten.)      global (atten.)     groups   "
+        "|db| none   global (atten.)     groups (atten.)"
+    )
     for r in rows:
         n, u, g, p = r["none"], r["update"], r["global"], r["groups"]
         print(

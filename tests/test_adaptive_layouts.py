@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
 from torch_jobs import ROOT, job_env, run_job, torchrun_cmd  # noqa: E402
-from unit.test_adaptive import ReferenceZClip  # noqa: E402
+from unit.test_limits import ReferenceZClip  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import gclip
 from conftest import agree
-from unit.test_adaptive import timm_agc
+from unit.test_limits import timm_agc
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

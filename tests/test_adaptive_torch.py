@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
 import gclip.torch as gt  # noqa: E402
-from unit.test_adaptive import ReferenceZClip, norms  # noqa: E402
+from unit.test_limits import ReferenceZClip, norms  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -10,7 +10,6 @@ the lab around it is the subpackages: ``gallery`` (the bugs), and, each run as
 ``bench``. See docs/architecture.md.
 """
 
-from .adaptive import AGC, AutoClip, ZClip
 from .clip import (
     ClipResult,
     apply_scale,
@@ -22,8 +21,8 @@ from .clip import (
 )
 from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
-from .groups import GroupsResult, clip_groups
 from .layout import Group, Mesh, Placement
+from .limits import AGC, AutoClip, GroupsResult, ZClip, clip_groups
 from .replicas import check_replicas, explain
 
 __all__ = [

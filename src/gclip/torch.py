@@ -55,8 +55,6 @@ from . import (
 )
 from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
-from .groups import per_group
-from .groups import program as groups_program
 
 __all__ = [
     "AGC",
@@ -359,65 +357,12 @@ def check_replicas(
     _torch_replicas.check_replicas(world, collect, names)
 
 
-@torch.no_grad()
-def clip_groups_(
-    groups: Iterable[Any],
-    max_norms: Sequence[float | None],
-    norm_type: float | str = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-    *,
-    comm: Any = None,
-    replicated: Sequence[Any] | None = None,
-    reproducible: bool = False,
-) -> torch.Tensor:
-    """Clip each parameter group's gradients by its own limit and its own GLOBAL norm, in place.
-
-    ``groups``: an optimizer's ``param_groups`` (dicts with "params") or a list of parameter
-    iterables; ``max_norms``: one limit per group, or None (not clipped, its norm reported).
-    Every group's norm comes from the one header all-reduce (``gclip.groups``).
-
-    Returns:
-        Each group's global norm before clipping: a 1-D float64 tensor on the first
-        gradient's device, the same on every rank.
-    """
-    world = _world(comm)
-    params = [list(g["params"]) if isinstance(g, dict) else list(g) for g in groups]
-    limits, entries = list(max_norms), per_group(replicated, len(params))
-    if len(limits) != len(params) or len(entries) != len(params):
-        raise GclipValueError(f"max_norms and replicated need one entry per group ({len(params)} groups)")
-    backend = _torch_gradients.backend(True, foreach)
-
-    def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
-        return _dtensor.counting(world, tensors, entries, given.wheres)
-
-    calls = [
-        engine.check(
-            group,
-            engine.NO_LIMIT if limit is None else limit,
-            backend,
-            rank=world.rank,
-            size=world.size,
-            replicated=entries[i],
-            counting=counting,
-            norm_type=norm_type,
-            reproducible=reproducible,
-            error_if_nonfinite=error_if_nonfinite,
-            inplace=True,
-        )
-        for i, (group, limit) in enumerate(zip(params, limits))
-    ]
-    done = world.run(
-        groups_program(calls, [c.limit if limit is not None else None for c, limit in zip(calls, limits)])
-    )
-    for c, (_, factor) in zip(calls, done):
-        c.grads.scaled(factor, True)
-    device = next((c.arrays[0].device for c in calls if c.arrays), "cpu")
-    return torch.tensor([n for n, _ in done], dtype=torch.float64).to(device, non_blocking=True)
-
-
 from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
 
 clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)
 
-from .adaptive.torch import AGC, AutoClip, ZClip  # noqa: E402 - the adaptive clippers, over this module's norm
+
+from .limits import _torch as _limits  # noqa: E402 - the limits' torch front ends, handed what they use
+
+_limits.use(_limits.Functions(get_total_norm, clip_grads_with_norm_, _world))
+AGC, AutoClip, ZClip, clip_groups_ = _limits.AGC, _limits.AutoClip, _limits.ZClip, _limits.clip_groups_

@@ -1,4 +1,7 @@
-"""Adaptive clipping over MPI: ZClip, AutoClip and AGC for numpy arrays.
+"""The limit a clip applies: per group, adaptive, unit-wise, over MPI for numpy arrays.
+
+``clip_groups`` gives every parameter group its own limit (or none), all groups' norms
+from the one header all-reduce (``gclip.limits.groups``).
 
 Each clipper is called as the reference implementations are, after the backward and
 before the optimizer's step: ``clipper.step(grads, ...)``. ZClip and AutoClip take their
@@ -17,10 +20,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..clip import apply_scale, clip_scale, global_norm
+from .groups import GroupsResult, clip_groups
 from .rules import FloatOps, ZClipRule, check_int, check_number
 from .units import AGC
 
-__all__ = ["AGC", "AutoClip", "Clipped", "ZClip"]
+__all__ = ["AGC", "AutoClip", "Clipped", "GroupsResult", "ZClip", "clip_groups"]
 
 
 class Clipped(NamedTuple):

@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _validate, drivers, engine, partials, policy
-from .errors import GclipValueError
-from .layout import Counting
-from .partials import root
+from .. import _validate, drivers, engine, partials, policy
+from ..errors import GclipValueError
+from ..layout import Counting
+from ..partials import root
 
 __all__ = ["MAX_GROUPS", "GroupsResult", "clip_groups", "per_group", "program"]
 

@@ -15,18 +15,99 @@ dimension that splits them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .. import torch as gclip_torch
-from ..errors import GclipValueError
+from .. import _dtensor, _torch_gradients, engine
+from ..errors import GclipError, GclipValueError
+from .groups import per_group, program
 from .rules import ZClipRule, check_int, check_number
 from .units import LAYOUTS, unit_axes, unit_factor
 
-__all__ = ["AGC", "AutoClip", "ZClip"]
+__all__ = ["AGC", "AutoClip", "Functions", "ZClip", "clip_groups_", "use"]
+
+
+class Functions(NamedTuple):
+    """What these front ends use of gclip.torch, which hands it in (:func:`use`) as it is
+    imported: gclip.torch is built on the core and names these clippers, so they take its
+    functions from it rather than import it (no import circle)."""
+
+    total_norm: Callable[..., torch.Tensor]  # gclip.torch.get_total_norm
+    clip_with_norm: Callable[..., None]  # gclip.torch.clip_grads_with_norm_
+    world: Callable[[Any], Any]  # the communicator of ``comm=``
+
+
+_GCLIP: list[Functions] = []
+
+
+def use(functions: Functions) -> None:
+    _GCLIP[:] = [functions]
+
+
+def _gclip() -> Functions:
+    if not _GCLIP:
+        raise GclipError("use the clippers as gclip.torch.ZClip, AutoClip, AGC and clip_groups_")
+    return _GCLIP[0]
+
+
+@torch.no_grad()
+def clip_groups_(
+    groups: Iterable[Any],
+    max_norms: Sequence[float | None],
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    comm: Any = None,
+    replicated: Sequence[Any] | None = None,
+    reproducible: bool = False,
+) -> torch.Tensor:
+    """Clip each parameter group's gradients by its own limit and its own GLOBAL norm, in place.
+
+    ``groups``: an optimizer's ``param_groups`` (dicts with "params") or a list of parameter
+    iterables; ``max_norms``: one limit per group, or None (not clipped, its norm reported).
+    Every group's norm comes from the one header all-reduce (``gclip.groups``).
+
+    Returns:
+        Each group's global norm before clipping: a 1-D float64 tensor on the first
+        gradient's device, the same on every rank.
+    """
+    world = _gclip().world(comm)
+    params = [list(g["params"]) if isinstance(g, dict) else list(g) for g in groups]
+    limits, entries = list(max_norms), per_group(replicated, len(params))
+    if len(limits) != len(params) or len(entries) != len(params):
+        raise GclipValueError(f"max_norms and replicated need one entry per group ({len(params)} groups)")
+    backend = _torch_gradients.backend(True, foreach)
+
+    def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+        return _dtensor.counting(world, tensors, entries, given.wheres)
+
+    calls = [
+        engine.check(
+            group,
+            engine.NO_LIMIT if limit is None else limit,
+            backend,
+            rank=world.rank,
+            size=world.size,
+            replicated=entries[i],
+            counting=counting,
+            norm_type=norm_type,
+            reproducible=reproducible,
+            error_if_nonfinite=error_if_nonfinite,
+            inplace=True,
+        )
+        for i, (group, limit) in enumerate(zip(params, limits))
+    ]
+    done = world.run(
+        program(calls, [c.limit if limit is not None else None for c, limit in zip(calls, limits)])
+    )
+    for c, (_, factor) in zip(calls, done):
+        c.grads.scaled(factor, True)
+    device = next((c.arrays[0].device for c in calls if c.arrays), "cpu")
+    return torch.tensor([n for n, _ in done], dtype=torch.float64).to(device, non_blocking=True)
 
 
 class _TorchOps:
@@ -45,7 +126,7 @@ def _parameters(model_or_parameters: Any) -> list[torch.Tensor]:
 def _norm_of(params: list[torch.Tensor], options: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The parameters with a gradient and their global norm, as a plain float64 tensor."""
     with_grad = [p for p in params if p.grad is not None]
-    norm = gclip_torch.get_total_norm([p.grad for p in with_grad], **options)
+    norm = _gclip().total_norm([p.grad for p in with_grad], **options)
     if hasattr(norm, "full_tensor"):  # a Replicate DTensor: every rank holds the global value
         norm = norm.to_local()
     return with_grad, norm.to(torch.float64)
@@ -56,7 +137,7 @@ def _clip(params: list[torch.Tensor], limit: Any, norm: torch.Tensor) -> None:
         return  # no limit this step
     if isinstance(limit, torch.Tensor):  # inf where no spike and no cap: nothing to scale
         limit = torch.where(torch.isinf(limit), torch.maximum(norm, torch.zeros_like(norm)), limit)
-    gclip_torch.clip_grads_with_norm_(params, limit, norm)
+    _gclip().clip_with_norm(params, limit, norm)
 
 
 def _floats(state: Any) -> Any:

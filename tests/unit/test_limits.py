@@ -22,7 +22,7 @@ import pytest
 from mpi4py import MPI
 
 from gclip import GclipValueError
-from gclip.adaptive import AGC, AutoClip, ZClip
+from gclip.limits import AGC, AutoClip, ZClip
 
 
 class ReferenceZClip:

@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 import gclip
-from gclip import drivers, engine, groups
+from gclip import drivers, engine
+from gclip.limits import groups
 
 
 def fsum_norm(arrays) -> float:
