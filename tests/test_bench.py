@@ -310,6 +310,21 @@ def test_cpu_ratio_of_reproducible_over_default_by_hand():
 _ONE = {"total": 1, "pickle_based": 0}
 
 
+def test_cpu_ratio_of_gclip_over_the_floor_by_hand():
+    got = {
+        "times": _times(**{"floor": 1e-3, "bare": 1.2e-3, "gclip": 1.5e-3, "gclip-repro": 3e-3}),
+        "misses": 0,
+    }
+    got["times"]["floor"]["cpu_median_s"] = 0.8e-3
+    got["times"]["gclip"]["cpu_median_s"] = 0.9e-3
+    rows = {r["impl"]: r for r in run.case_rows(10**7, "float32", 4, False, got)}
+    assert rows["gclip"]["cpu_vs_floor"] == pytest.approx(1.125) and "cpu_vs_floor" not in rows["bare"]
+    verdict = {t["name"]: t for t in targets.targets(list(rows.values()), [], {"default_active": _ONE}, 1e-6)}
+    floor = verdict["float32 1e7 inactive: gclip / floor"]
+    assert floor["value"] == pytest.approx(1.5) and floor["ok"] is False  # the verdict stays wall time
+    assert floor["note"] == "in CPU time 1.12"
+
+
 def test_needed_bytes_counts_every_rank_and_torchs_copy():
     assert memory.needed_bytes([10, 1000], ["float64"], 2, torch=False) == 1000 * 8 * 2
     assert memory.needed_bytes([1000], ["float32"], 2, torch=True) == 1000 * (4 + 8) * 2

@@ -77,12 +77,39 @@ def test_compiled_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p, d
 
 
 @pytest.mark.parametrize("p", [1, 2])
+def test_float32_runs_of_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p):
+    """float32 folds runs of _jit._RUN blocks with the top bin of the run's first block, and goes
+    block by block where a later block rises above it, the first block is zeros, or a block holds
+    inf or NaN: each case against the numpy folds, in the bins the result keeps."""
+    from gclip import _jit
+
+    block = _kernels.kernel_block(4)
+    run = _jit._RUN * block
+    rng = np.random.default_rng(70 + p)
+    x = rng.normal(size=5 * run + 100).astype(np.float32)
+    x[2 * block : 3 * block] *= np.float32(1e-20)  # run 0: a block far below the first one's top
+    x[5 * block : 6 * block] *= np.float32(1e15)  # run 0: a block above the first one's top
+    x[run : run + block] = 0.0  # run 1 starts with a block of zeros
+    x[3 * run : 3 * run + block] *= np.float32(1e-20)  # run 3 starts far below its other blocks
+    binned = partials.BinnedPowerSum(p)
+    for y in (x, x[run:], x[4 * run + 5 :], x[:-3]):  # the rise and the fallbacks, and runs at other starts
+        compiled, plain = binned.local([y]), numpy_only(lambda y=y: binned.local([y]))
+        assert kept_bins(binned, compiled) == kept_bins(binned, plain)
+        assert binned.power(compiled) == binned.power(plain)
+    for special, want in ((np.inf, math.isinf), (np.nan, math.isnan)):
+        y = x.copy()
+        y[2 * run + 3 * block + 7] = special  # a block of run 2
+        compiled, plain = binned.local([y]), numpy_only(lambda y=y: binned.local([y]))
+        assert want(compiled[1]) and want(plain[1])
+
+
+@pytest.mark.parametrize("p", [1, 2])
 def test_rescaled_folds_add_digit_sums_beyond_2_to_the_53_exactly(kernels, p):
     """A block of values at the top of a bin beyond the unscaled folds' range (the rescaled folds):
-    each top digit near 2**43, their sum past 2**53, against the exact sum."""
+    each top digit near 2**43, a block's sum near 2**53, against the exact sum."""
     binned = partials.BinnedPowerSum(p)
     rng = np.random.default_rng(40 + p)
-    m = 2.0 - rng.random(_kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
+    m = 2.0 - rng.random(2 * _kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
     if p == 2:  # squares m * 2**1054 just below 2**1055, the top of bin 23 (its unit 2**1012)
         x = np.ldexp(np.sqrt(m), 527)
     else:  # values m * 2**-882 just below 2**-881, the top of bin -21 (its unit 2**-924)

@@ -418,8 +418,22 @@ def _deposit(counts, b, d):
     counts[b, 0] = lo
 
 
+_RUN = 8  # blocks folded as one, with one top bin, where none of them rises above it
+
+
 @jit
-def digits(x, p, counts, width, bin_lo, block):
+def _constants(t, width):  # the folds' extraction constants for top bin t, or m0 = 0.0 out of range
+    u = width * t  # the top bin's unit is 2**u
+    if 52 + u <= 1023 and u - 2 * width >= -1000:
+        m0 = from_bits((52 + u + 1023) << 52 | 1 << 51)  # 1.5 * 2**(52 + u)
+        m1 = from_bits((52 + u - width + 1023) << 52 | 1 << 51)
+        m2 = from_bits((52 + u - 2 * width + 1023) << 52 | 1 << 51)
+        return m0, m1, m2
+    return 0.0, 0.0, 0.0
+
+
+@jit
+def _blocks(x, p, counts, width, bin_lo, block):
     # each block: its max |x| gives its top bin t (the next block's max is taken in this
     # block's fold loop, where its loads overlap the arithmetic), then the three folds
     special = 0.0
@@ -436,18 +450,15 @@ def digits(x, p, counts, width, bin_lo, block):
         if not m < np.inf:  # inf or NaN: the block is special, its digits are not counted
             special += m
         elif m > 0.0:
-            u = width * t  # the top bin's unit is 2**u
-            if 52 + u <= 1023 and u - 2 * width >= -1000:
-                m0 = from_bits((52 + u + 1023) << 52 | 1 << 51)  # 1.5 * 2**(52 + u)
-                m1 = from_bits((52 + u - width + 1023) << 52 | 1 << 51)
-                m2 = from_bits((52 + u - 2 * width + 1023) << 52 | 1 << 51)
+            m0, m1, m2 = _constants(t, width)
+            if m0 > 0.0:
                 one = m / m  # 1.0, unknown to the compiler
                 if p == 2 and x.itemsize == 4:
                     d0, d1, d2, mz = _folds_sq32(y, z, m0, m1, m2, one)
                 else:
                     d0, d1, d2, mz = _folds(y, z, p, m0, m1, m2, one)
             else:
-                d0, d1, d2 = _folds_scaled(y, p, u // p, width)
+                d0, d1, d2 = _folds_scaled(y, p, (width * t) // p, width)
             _deposit(counts, t - bin_lo, d0)
             _deposit(counts, t - 1 - bin_lo, d1)
             _deposit(counts, t - 2 - bin_lo, d2)
@@ -457,6 +468,43 @@ def digits(x, p, counts, width, bin_lo, block):
                 t = _top_bin(m, p, width) if 0.0 < m < np.inf else 0
             else:
                 t, m = _block_top(x[nxt : nxt + block], p, width)
+    return special
+
+
+@jit
+def digits(x, p, counts, width, bin_lo, block):
+    # runs of _RUN blocks folded with the top bin t of the run's first block, the run's own max
+    # taken in the same loop: a value's digits in the bins the result keeps are the same for any
+    # top bin from its own block's up to the global one (the digits above its own are 0, those
+    # below are the cascade's), so where no block of the run rises above t, the run's digits are
+    # its blocks' (one deposit and one horizontal sum per run instead of per block); a run that
+    # does rise, holds inf or NaN, zeros or values out of the constants' range goes block by block
+    if x.itemsize == 8:  # float64 reads twice the bytes: its loop does better reading the next block
+        return _blocks(x, p, counts, width, bin_lo, block)  # ahead (its max), as _blocks does
+    special = 0.0
+    n = x.size
+    run = _RUN * block
+    start = 0
+    while start < n:
+        end = min(start + run, n)
+        t, m = _block_top(x[start : start + block], p, width)
+        if 0.0 < m < np.inf and end - start > block:
+            m0, m1, m2 = _constants(t, width)
+            if m0 > 0.0:
+                y = x[start:end]
+                one = m / m  # 1.0, unknown to the compiler
+                if p == 2 and x.itemsize == 4:
+                    d0, d1, d2, my = _folds_sq32(y, y, m0, m1, m2, one)
+                else:
+                    d0, d1, d2, my = _folds(y, y, p, m0, m1, m2, one)
+                if 0.0 < my < np.inf and _top_bin(my, p, width) <= t:
+                    _deposit(counts, t - bin_lo, d0)
+                    _deposit(counts, t - 1 - bin_lo, d1)
+                    _deposit(counts, t - 2 - bin_lo, d2)
+                    start = end
+                    continue
+        special += _blocks(x[start:end], p, counts, width, bin_lo, block)
+        start = end
     return special
 
 

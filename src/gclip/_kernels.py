@@ -11,8 +11,10 @@ call. The kernels compute what the numpy code in ``partials`` computes:
   as their bits;
 - ``digits``: the reproducible mode's digit counts: in the bins the result
   keeps, the very integers of the numpy folds (the same round-half-even
-  extraction; a top bin per block of KERNEL_BLOCK_BYTES where numpy's blocks
-  hold BLOCK values, which changes no digit the result keeps);
+  extraction; a top bin per block of KERNEL_BLOCK_BYTES, or for float32 per run
+  of such blocks none of which rises above its first one's, where numpy's blocks
+  hold BLOCK values: any top bin from a block's own up to the global one gives
+  the same digits in the bins the result keeps);
 - ``multiply_table``: x *= s in place (float32 arrays by the float32 scale given).
 
 A list of arrays goes in one call through a :class:`Table` of (address, size,
@@ -51,9 +53,11 @@ BLOCK = 512  # the reproducible mode's block: one top bin, digit sums exact (sha
 # the compiled folds' block, in bytes: a value's digits in the bins the result keeps do not
 # depend on its block, so any block gives the same result; the kernels add digits as int64 (a
 # block's digit sum stays below 2**55), and a longer block pays its fixed costs (the top bin, the
-# deposits, the accumulators' horizontal sums) over more values while two blocks still fit in L1:
-# 4096 float32 or 2048 float64 values
-KERNEL_BLOCK_BYTES = 16 << 10
+# deposits, the accumulators' horizontal sums) over more values, as long as a block and the next
+# one (whose max the fold loop reads) stay in L1 with room to spare: 2048 float32 or 1024 float64
+# values. On a 32 KiB L1 (AMD Zen 4) blocks of 16 KiB were 21-30% slower at 1e7 values, 4-12 KiB
+# within 3% of each other
+KERNEL_BLOCK_BYTES = 8 << 10
 
 
 def kernel_block(itemsize: int) -> int:
@@ -78,7 +82,7 @@ class Table(NamedTuple):
     def overlaps(self) -> bool:
         """Do any two compiled entries share memory (the same array twice included)? A yes or no
         for the whole list at once, vectorised: where it says yes, the checks read the list item
-        by item and ``_validate.same_memory`` says which arrays, and whether they are repeats."""
+        by item and ``reader.same_memory`` says which arrays, and whether they are repeats."""
         return bool(_overlaps(self))
 
 

@@ -52,6 +52,8 @@ def case_rows(n: int, dtype: str, itemsize: int, active: bool, got: dict[str, An
             "gb_per_s": nbytes / t["median_s"] / 1e9,
             "vs_floor": t["median_s"] / floor,
         }
+        if "cpu_median_s" in t and times["floor"].get("cpu_median_s"):  # the busiest rank's CPU time
+            row["cpu_vs_floor"] = t["cpu_median_s"] / times["floor"]["cpu_median_s"]
         if impl == "gclip-repro":
             row["vs_default"] = t["median_s"] / default
             if "cpu_median_s" in t and "cpu_median_s" in times["gclip"]:  # the busiest rank's CPU time

@@ -69,7 +69,7 @@ def format_table(result: dict[str, Any]) -> str:
     """The human table: one line per (dtype, size, clip state)."""
     rows = result["rows"]
     has_torch = any(r["impl"] == "torch" for r in rows)
-    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "x bare"]
+    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "(cpu)", "x bare"]
     head += ["repro", "x dflt"]
     if has_torch:
         head += ["torch", "gclip/torch", "torch-f64acc"]
@@ -83,7 +83,8 @@ def format_table(result: dict[str, Any]) -> str:
         p = find_row(rows, n, dtype, active, "gclip-repro")
         line = [dtype, fmt_n(n), "active" if active else "off"]
         line += [fmt_t(f["median_s"]), f"{f['gb_per_s']:.2f}", fmt_t(g["median_s"]), f"{g['gb_per_s']:.2f}"]
-        line += [f"{g['vs_floor']:.2f}", f"{g['vs_bare']:.2f}"]
+        cpu = f"{g['cpu_vs_floor']:.2f}" if "cpu_vs_floor" in g else "-"
+        line += [f"{g['vs_floor']:.2f}", cpu, f"{g['vs_bare']:.2f}"]
         line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
         if has_torch:
             t = find_row(rows, n, dtype, active, "torch")
@@ -99,7 +100,9 @@ def format_table(result: dict[str, Any]) -> str:
     out.append(
         f"{result['ranks']} ranks, {result['threads']} thread(s) per rank; {result['timing']};"
         f" caches {result['caches']}.\n"
-        "GB/s: per rank, n*itemsize bytes when off (one read), 3x when active (read, read, write)."
+        "GB/s: per rank, n*itemsize bytes when off (one read), 3x when active (read, read, write).\n"
+        "(cpu): the same ratio in the busiest rank's thread CPU time, which another process holding the core"
+        " does not lengthen."
     )
     out.append(f"bare header-sized Allreduce: {fmt_t(result['allreduce_s'])}; {result['torch_note']}")
     load = result["load_average"]
