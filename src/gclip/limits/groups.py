@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _validate, drivers, engine, partials, policy
+from .. import drivers, engine, partials, policy
 from ..errors import GclipValueError
 from ..layout import Counting
 from ..partials import root
@@ -154,7 +154,7 @@ def clip_groups(
     refused, the ranks passing different numbers of groups or limits) raises the same
     error on every rank.
     """
-    mpi = drivers.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(drivers.communicator(comm))
     groups, limits = list(groups), list(max_norms)
     entries = per_group(replicated, len(groups))
     if len(limits) != len(groups) or len(entries) != len(groups):
