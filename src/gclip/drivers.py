@@ -127,7 +127,6 @@ def run_simulated(programs: Sequence[Generator[Reduce | Gather, Any, T]]) -> lis
     return results
 
 
-# ---------------------------------------------------------------------------
 # the communicator: None means MPI's COMM_WORLD, unless this process is one of several
 
 

@@ -200,7 +200,6 @@ _PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe 
 _cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
 
 
-# ---------------------------------------------------------------------------
 # the scalar settings: each a clean value or a one-line error
 
 
@@ -298,11 +297,9 @@ def program(args: Arguments) -> Program:
 def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNormError:
     """The error of ``error_if_nonfinite=True``: ``holders[r]``, rank r's own part is not finite."""
     ranks = [r for r, bad in enumerate(holders) if bad]
-    where = (
-        f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        if ranks
-        else "every rank's own part is finite: the norm overflows float64"
-    )
+    where = "every rank's own part is finite: the norm overflows float64"
+    if ranks:
+        where = f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     name = "inf" if math.isinf(p) else f"{p:g}"
     return NonFiniteNormError(f"the global {name}-norm is {norm!r} ({where}; error_if_nonfinite=True)")
 
