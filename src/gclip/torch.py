@@ -31,6 +31,7 @@ See docs/torch.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -242,8 +243,10 @@ def clip_grads_with_norm_(
     ``+ 1e-6``; an inf or NaN norm leaves the gradients untouched). Local: no
     communication; pass the global norm from :func:`get_total_norm`.
     """
+    if _is_inf(max_norm):
+        return  # no limit: nothing to scale (as torch's clip with max_norm=inf)
     scale = clip.clip_scale(total_norm, max_norm)
-    grads = _torch_gradients.gradients(parameters, None, of_parameters=True).tensors
+    grads = _torch_gradients.gradients(parameters, None, of_parameters=True, reduce=False).scaled_tensors
     _torch_partials.multiply_by(grads, scale, foreach)
 
 
@@ -258,6 +261,7 @@ def clip_grad_norm_(
     comm: Any = None,
     replicated: Sequence[Any] | None = None,
     reproducible: bool = False,
+    scaler: Any = None,
 ) -> torch.Tensor:
     """Clip the gradients of every rank's parameters by their GLOBAL norm, in place.
 
@@ -270,27 +274,70 @@ def clip_grad_norm_(
     NonFiniteNormError on every rank).
 
     Args:
-        max_norm: the limit, finite and >= 0 (a number, or a tensor of one value).
+        max_norm: the limit, >= 0 (a number, or a tensor of one value); ``inf``: the norm
+            alone, nothing scaled (as torch, the usual way to log the norm).
         norm_type: p > 0, or inf / 'inf'.
         foreach: False scales tensor by tensor; None or True with torch's foreach kernels.
         comm, replicated, reproducible: as in :func:`get_total_norm` (one
             replicated entry per parameter given).
+        scaler: the ``torch.amp.GradScaler`` whose ``unscale_(optimizer)`` came just before:
+            every rank's ``found_inf`` rides in the norm's header (no collective of its own) and
+            comes back agreed, so ``scaler.step`` skips, and ``scaler.update`` backs off, on
+            every rank together (see docs/torch.md, "AMP").
 
     Returns:
-        The global norm before clipping: a float64 0-d tensor on the first
-        gradient's device, the same value on every rank.
+        The global norm before clipping: a float64 0-d tensor (a plain tensor, also for
+        DTensor gradients) on the first gradient's device, the same value on every rank.
     """
-    return clip_grad_norm_by(
-        engine.CORRECT,
-        parameters,
-        max_norm,
-        norm_type=norm_type,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-        comm=comm,
-        replicated=replicated,
-        reproducible=reproducible,
-    )
+    limit = call.NO_LIMIT if _is_inf(max_norm) else max_norm
+    found = _found_infs(scaler)
+    if found:
+        probe = torch.stack([f.to(found[0].device, torch.float64).reshape(()) for f in found]).sum()
+        probe = torch.where(probe > 0, math.inf, 0.0).reshape(1)  # no host read
+        backend = _torch_gradients.probed_backend(foreach, probe)
+    else:
+        backend = _torch_gradients.backend(True, foreach)
+    settings = {
+        "norm_type": norm_type,
+        "error_if_nonfinite": error_if_nonfinite,
+        "reproducible": reproducible,
+    }
+    norm = _run(parameters, limit, backend, comm=comm, replicated=replicated, inplace=True, **settings)
+    for f in found:  # the agreed verdict: a non-finite global norm is found_inf on every rank
+        f.copy_(torch.where(torch.isfinite(norm).to(f.device), f, torch.ones_like(f)))
+    return norm
+
+
+def _is_inf(max_norm: Any) -> bool:
+    """max_norm = +inf (a number or a one-value tensor): the norm alone, as torch allows."""
+    try:
+        return isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) == math.inf
+    except (TypeError, ValueError, RuntimeError):
+        return False  # not one number: refused by the checks, on every rank together
+
+
+def _found_infs(scaler: Any) -> list[torch.Tensor]:
+    """The found_inf tensors of the optimizers ``scaler.unscale_`` has unscaled this step.
+
+    GradScaler has no public reader of them: this reads ``_per_optimizer_states`` (each
+    optimizer's stage and ``found_inf_per_device``), the state ``scaler.step`` and
+    ``scaler.update`` decide from, and writes the agreed verdict back into those tensors."""
+    if scaler is None:
+        return []
+    from torch.amp.grad_scaler import GradScaler, OptState
+
+    if not isinstance(scaler, GradScaler):
+        raise GclipTypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return []
+    states = scaler._per_optimizer_states.values()
+    found = [f for s in states if s["stage"] is OptState.UNSCALED for f in s["found_inf_per_device"].values()]
+    if not found:
+        raise GclipValueError(
+            "scaler=: no optimizer has been unscaled this step: call scaler.unscale_(optimizer) "
+            "before the clip, as torch's AMP recipe does"
+        )
+    return found
 
 
 @torch.no_grad()
