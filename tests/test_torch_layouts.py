@@ -61,15 +61,26 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
         assert 0 in every[3]["local_counts"] and every[0]["local_counts"] != every[3]["local_counts"]
 
 
-def amp(recipe: str, tmp_path) -> list[dict]:
+def amp(recipe: str, tmp_path, layout: str = "hsdp") -> list[dict]:
     script = str(ROOT / "tests" / "torch_amp_check.py")
-    job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path)), env=job_env())
+    job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path), layout), env=job_env())
     assert job.returncode == 0, job.stdout + job.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
 def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf(tmp_path):
     every = amp("agreed", tmp_path)
+    assert all(r["norm"] == float("inf") for r in every)
+    assert not any(r["stepped"] for r in every)
+    assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
+    assert all(r["same_as_replica"] for r in every)
+    assert all(r["check_replicas"] == "" for r in every)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp"])
+def test_the_standard_amp_loop_with_the_scaler_given_skips_on_every_rank_together(layout, tmp_path):
+    """unscale_, gclip's clip (scaler=scaler), scaler.step, scaler.update: torch's loop."""
+    every = amp("standard", tmp_path, layout)
     assert all(r["norm"] == float("inf") for r in every)
     assert not any(r["stepped"] for r in every)
     assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
