@@ -231,7 +231,7 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
             repeat[i] = first[id(g)]
             continue
         first[id(g)] = i
-        if g.numel():
+        if g.numel() and _has_memory(g):
             by_memory.setdefault((g.device, g.untyped_storage().data_ptr()), []).append(i)
     for members in by_memory.values():
         if len(members) > 1:
@@ -244,6 +244,16 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
                 f"entries ({entry_j!r}, {entry_i!r})"
             )
     return [item for i, item in enumerate(picked) if i not in repeat]
+
+
+def _has_memory(g: torch.Tensor) -> bool:
+    """Can its memory be compared? Not while compiling (data_ptr cannot be traced), nor for
+    tensors that hold none (FakeTensorMode): those are told apart by identity only."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(g)
 
 
 def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:

@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - torch is an optional extra
 
 from . import (
     _dtensor,
+    _torch_device,
     _torch_gradients,
     _torch_partials,
     _torch_replicas,
@@ -60,6 +61,7 @@ from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
     "FLOAT_DTYPES",
+    "check",
     "check_replicas",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
@@ -134,11 +136,26 @@ def _is_process_group(comm: Any) -> bool:
     return dist.is_available() and isinstance(comm, dist.ProcessGroup)
 
 
-def _world(comm: Any) -> _Mpi | _TorchGroup:
+class _Lone:
+    """One process, no communicator (a compiled call outside any job)."""
+
+    rank, size = 0, 1
+
+
+_LONE = _Lone()
+
+
+def _world(comm: Any) -> _Mpi | _TorchGroup | _Lone:
     """What to clip over; a one-line error otherwise (the same on every rank: no collective yet)."""
     if comm is None:
         if dist.is_available() and dist.is_initialized():
             return _TorchGroup(dist.group.WORLD)
+        if torch.compiler.is_compiling():  # mpi4py cannot be traced: one process, or refused
+            if _mpi_world_size() > 1:
+                raise GclipValueError(
+                    "under torch.compile, gclip.torch clips over torch.distributed, not MPI"
+                )
+            return _LONE
         return _Mpi(_mpi_world())
     if _is_process_group(comm):
         return _TorchGroup(comm)
@@ -151,6 +168,11 @@ def _world(comm: Any) -> _Mpi | _TorchGroup:
     raise GclipTypeError(
         f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, got {type(comm).__name__}"
     )
+
+
+@torch.compiler.assume_constant_result
+def _mpi_world_size() -> int:
+    return int(_mpi_world().Get_size())
 
 
 def _mpi_world() -> Any:
@@ -173,13 +195,36 @@ def _run(
     items: Any, max_norm: Any, backend: call.Backend, *, comm: Any, replicated: Any, **settings: Any
 ) -> torch.Tensor:
     """One call through the call layer (``gclip.call``), run over ``comm``: the global norm as
-    torch returns it, a 0-d tensor on the first gradient's device (in float64)."""
+    torch returns it, a 0-d tensor on the first gradient's device (in float64). Tensors on an
+    accelerator (and calls under torch.compile) take the sync-free path (``_torch_device``)."""
     world = _world(comm)
+    if isinstance(items, Iterable) and not isinstance(items, (torch.Tensor, list, tuple, str, bytes)):
+        items = list(items)  # a generator: read once, here (anything else: the checks say what it is)
+    _torch_device.check()  # a failure the device path has not raised yet: raised here
 
     def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
         return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
-    done = call.run(items, max_norm, world, backend, replicated=replicated, counting=counting, **settings)
+    listed = items if isinstance(items, (list, tuple)) else [items]
+    if "steps" not in settings and _torch_device.eligible(
+        world,
+        listed,
+        settings.get("norm_type", 2.0),
+        bool(settings.get("reproducible", False)),
+        bool(settings.get("error_if_nonfinite", False)),
+    ):
+        return _torch_device.clip(
+            world,
+            items,
+            max_norm,
+            backend,
+            replicated=replicated,
+            counting=counting,
+            inplace=bool(settings.get("inplace", False)),
+            norm_type=settings.get("norm_type", 2.0),
+        )
+    driver: Any = world  # (a lone compiled call always takes the device path)
+    done = call.run(items, max_norm, driver, backend, replicated=replicated, counting=counting, **settings)
     device = done.arrays[0].device if done.arrays else "cpu"
     # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
     return torch.full((), done.info.norm, dtype=torch.float64, device=device)
@@ -187,6 +232,13 @@ def _run(
 
 # ---------------------------------------------------------------------------
 # the API (torch's signatures, gclip's keyword-only extras)
+
+
+def check() -> None:
+    """Raise, on every rank together, a failure of the sync-free path not raised yet (it is
+    raised at the latest by the next call; call this after a compiled step). See
+    ``gclip._torch_device``."""
+    _torch_device.check()
 
 
 @torch.no_grad()
