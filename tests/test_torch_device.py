@@ -132,7 +132,6 @@ def test_the_device_path_reads_nothing_on_the_host():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="reading DTensor placements is not traceable yet (dynamo fails on repr of a Placement)")
 def test_compiled_in_a_two_rank_fsdp2_job(tmp_path):
     job = run_job(
         torchrun_cmd(2, str(ROOT / "tests" / "torch_compile_check.py"), str(tmp_path)), env=job_env()

@@ -47,6 +47,20 @@ def is_dtensor(t: Any) -> bool:
     return hasattr(t, "_local_tensor") and hasattr(t, "placements") and hasattr(t, "device_mesh")
 
 
+def describe(placements: Sequence[Any]) -> str:
+    """Placements as a short string, built without repr (which torch.compile cannot trace)."""
+    out = []
+    for p in placements:
+        if p.is_partial():
+            out.append(f"Partial({_reduce_op(p)})")
+        elif p.is_replicate():
+            out.append("Replicate()")
+        else:
+            split = getattr(p, "split_factor", None)
+            out.append(f"Shard({p.dim})" if split is None else f"_StridedShard({p.dim}, {split})")
+    return "(" + ", ".join(out) + ")"
+
+
 def is_mesh(comm: Any) -> bool:
     return hasattr(comm, "mesh_dim_names") and hasattr(comm, "get_group") and hasattr(comm, "mesh")
 
@@ -212,7 +226,7 @@ def counting(
     decided: dict[tuple[int, tuple[Any, ...], str], bool] = {}  # models share few (mesh, placements)
     for i, entry in enumerate(entries):
         if isinstance(entry, Placed):
-            key = (id(entry.mesh), entry.placements, repr(entry.declared))
+            key = (id(entry.mesh), entry.signature[2], str(entry.declared))
             if key not in decided:
                 decided[key] = _owns(world, entry, spans, comm_mesh)
             owned[i] = owned[i] and decided[key]
@@ -236,10 +250,14 @@ def _list_ring(world: Any, placed: Sequence[Placed], comm_mesh: Any) -> tuple[tu
     for members, items in held.items():
         i, k, what = members.index(world.rank), len(members), repr(items)
         for slot, salt in enumerate((b"gclip-dtensor-a", b"gclip-dtensor-b")):
-            ring[slot] += layout._ring(salt, members, i, what) - layout._ring(
-                salt, members, (i + 1) % k, what
-            )
+            ring[slot] += _ring(salt, members, i, what) - _ring(salt, members, (i + 1) % k, what)
     return (ring[0], ring[1]), held
+
+
+@torch.compiler.assume_constant_result
+def _ring(salt: bytes, members: tuple[int, ...], position: int, what: str) -> float:
+    """``layout._ring`` (a hash: computed once at trace time under torch.compile)."""
+    return float(layout._ring(salt, members, position, what))
 
 
 def _explain(summaries: list[Any]) -> str:

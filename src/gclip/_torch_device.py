@@ -76,7 +76,8 @@ def eligible(world: Any, items: Sequence[Any], norm_type: Any, reproducible: boo
         return False
     if FORCE or torch.compiler.is_compiling():
         return True
-    return any(isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta") for t in items)
+    first = items[0] if len(items) else None  # one look, not one per tensor: lists share a device
+    return isinstance(first, torch.Tensor) and first.device.type not in ("cpu", "meta")
 
 
 def check() -> None:

@@ -149,7 +149,12 @@ def gradients(
             key = (id(g), repr(entry))
             if key not in placed:
                 placements = partial.reduced_placements(g)
-                signature = (tuple(g.shape), str(g.dtype), repr(placements), tuple(g.device_mesh.mesh.shape))
+                signature = (
+                    tuple(g.shape),
+                    str(g.dtype),
+                    _dtensor.describe(placements),
+                    tuple(g.device_mesh.shape),
+                )
                 placed[key] = _dtensor.Placed(g.device_mesh, placements, entry, where, signature)
             g, entry = _dtensor.local(g), placed[key]
         picked.append((where, g, entry))
