@@ -144,6 +144,10 @@ FAULTS: dict[str, Fault] = {
     "int-array": Fault(lambda: {"grads": np.arange(4)}, GclipTypeError, "int"),
     "string": Fault(lambda: {"grads": "0.5"}, GclipTypeError, "grads"),
     "dict": Fault(lambda: {"grads": {"w": np.ones(4)}}, GclipTypeError, "grads"),
+    # np.asarray drops a mask: the masked values would count (a norm of 100.1 for one of 5)
+    "masked-array": Fault(
+        lambda: {"grads": np.ma.masked_array([3.0, 4.0, 100.0], mask=[0, 0, 1])}, GclipTypeError, "masked"
+    ),
     "list-with-none": Fault(lambda: {"grads": [np.ones(4), None]}, GclipTypeError, "grads[1]"),
     "negative-limit": Fault(lambda: {"max_norm": -1.0}, GclipValueError, "max_norm"),
     "nan-limit": Fault(lambda: {"max_norm": math.nan}, GclipValueError, "nan"),

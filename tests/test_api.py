@@ -275,7 +275,7 @@ def test_float32_scaling_never_rounds_the_scale_up():
 def test_comm_self_clips_this_process_alone(self_comm):
     x = np.array([3.0, 4.0, 12.0])
     result = gclip.clip_by_global_norm(x, 1.0, comm=self_comm)
-    assert result.total_norm == 13.0 and result.local_norm == 13.0
+    assert result.total_norm == 13.0 and result.scale == 1.0 / 13.0
     assert np.array_equal(result.grads, x * (1.0 / 13.0))
     assert gclip.global_norm(x, comm=self_comm) == 13.0
 

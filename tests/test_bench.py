@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from conftest import OneRankComm
 from gclip._lab import mpirun
 from gclip._lab.cli import UsageError
 from gclip.bench import collectives, memory, options, run, sweep, table, targets, timing, workloads
+from gclip.bench.machine import blas_info, cpu_info, machine_line, numba_target
 
 TIMEOUT = 120
 
@@ -71,6 +73,17 @@ def test_quick_run_has_every_case(quick):
     # the table is printed once, by rank 0
     assert proc.stdout.count("x floor") == 1
     assert "targets:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_quick_run_names_its_machine_beside_the_table_and_in_the_json(quick):
+    result, proc = quick
+    machine = result["machine"]
+    assert machine["cpu"]["model"] and machine["cpu"]["cpus"] == os.cpu_count()
+    assert machine["numba"]["cpu_name"].startswith(os.environ.get("NUMBA_CPU_NAME", "host"))
+    assert machine["blas"] and all(b.get("internal_api") for b in machine["blas"])
+    first = proc.stdout.splitlines()[0]
+    assert first == machine_line(machine) and first.startswith(f"machine: {machine['cpu']['model']}")
 
 
 @pytest.mark.slow
@@ -295,6 +308,21 @@ def test_cpu_ratio_of_reproducible_over_default_by_hand():
 
 
 _ONE = {"total": 1, "pickle_based": 0}
+
+
+def test_cpu_ratio_of_gclip_over_the_floor_by_hand():
+    got = {
+        "times": _times(**{"floor": 1e-3, "bare": 1.2e-3, "gclip": 1.5e-3, "gclip-repro": 3e-3}),
+        "misses": 0,
+    }
+    got["times"]["floor"]["cpu_median_s"] = 0.8e-3
+    got["times"]["gclip"]["cpu_median_s"] = 0.9e-3
+    rows = {r["impl"]: r for r in run.case_rows(10**7, "float32", 4, False, got)}
+    assert rows["gclip"]["cpu_vs_floor"] == pytest.approx(1.125) and "cpu_vs_floor" not in rows["bare"]
+    verdict = {t["name"]: t for t in targets.targets(list(rows.values()), [], {"default_active": _ONE}, 1e-6)}
+    floor = verdict["float32 1e7 inactive: gclip / floor"]
+    assert floor["value"] == pytest.approx(1.5) and floor["ok"] is False  # the verdict stays wall time
+    assert floor["note"] == "in CPU time 1.12"
 
 
 def test_needed_bytes_counts_every_rank_and_torchs_copy():
@@ -529,6 +557,67 @@ def test_sweep_rows_and_the_oversubscription_note():
     assert "gclip R=1" in text and "gclip R=4" in text
     assert "R=4 oversubscribes the 2 cores" in text
     assert "oversubscribes" not in sweep.format_sweep({"sweep": rows, "cpus": 4})
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu sse4_2 avx fma f16c avx2 avx512f avx512bw avx512vl avx512_bf16 sha_ni
+
+processor\t: 1
+model name\t: another CPU (never read: the first processor's fields)
+"""
+
+
+def test_cpu_info_reads_the_model_and_the_vector_extensions():
+    cpu = cpu_info(CPUINFO)
+    assert cpu["model"] == "AMD EPYC 9B14"
+    assert cpu["family"] == "cpu family 25, model 17"
+    assert cpu["vector"] == [
+        "sse4_2",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_bf16",
+    ]
+
+
+def test_numba_target_names_the_code_generation_and_its_vector_width(monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "")
+    got = numba_target()
+    assert (got["cpu_name"], got["cpu_features"], got["vector_bits"]) == ("haswell", "", 256)
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert numba_target()["vector_bits"] == 256
+    monkeypatch.delenv("NUMBA_CPU_NAME")
+    monkeypatch.delenv("NUMBA_CPU_FEATURES")
+    assert numba_target()["cpu_name"].startswith("host (")
+
+
+def test_machine_line_names_cpu_target_and_blas():
+    machine = {
+        "cpu": cpu_info(CPUINFO),
+        "numba": {"cpu_name": "haswell", "cpu_features": "", "vector_bits": 256, "kernels": True},
+        "blas": [{"internal_api": "openblas", "version": "0.3.31", "num_threads": 1, "architecture": "Zen"}],
+    }
+    line = machine_line(machine)
+    assert line.startswith("machine: AMD EPYC 9B14, cpu family 25, model 17 (")
+    assert "numba target haswell features=its own, 256-bit vectors" in line
+    assert line.endswith("BLAS openblas 0.3.31 core Zen, 1 thread(s)")
+    assert machine_line(None) == "machine: not recorded"
+    assert sweep.format_sweep({"sweep": [], "cpus": 2, "machine": machine}).splitlines()[0] == line
+
+
+def test_blas_info_names_the_library_and_its_threads():
+    (first, *_) = blas_info()
+    assert first["internal_api"] and first["source"]
 
 
 def test_sweep_runs_each_rank_count_without_gnu_timeout():

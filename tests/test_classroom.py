@@ -133,3 +133,11 @@ def test_a_folder_with_no_verdict_or_none_at_all_is_one_line_and_exit_2(tmp_path
         proc = _summary(folder)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.count("\n") == 1 and said in proc.stderr, proc.stderr
+
+
+def test_a_closed_pipe_ends_the_summary_quietly(klass):
+    """``python -m gclip.classroom DIR | head``: no BrokenPipeError once head has its lines."""
+    from test_entry_points import CLOSED_PIPE, closed_stdout
+
+    proc = closed_stdout("gclip.classroom", str(klass))
+    assert (proc.returncode, proc.stderr) == (CLOSED_PIPE, ""), proc

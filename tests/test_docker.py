@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -131,6 +132,42 @@ def test_copy_sources_exist_in_repo():
         srcs = [w for w in words[:-1] if not w.startswith("--")]
         for src in srcs:
             assert (ROOT / src).exists(), f"Dockerfile COPYs {src}, which is not in the repository"
+
+
+def dockerignored(path: str) -> bool:
+    """Whether .dockerignore leaves ``path`` (relative to the context) out: its patterns in
+    order, the last match wins, ``!`` keeps; a pattern matches a path or a folder above it."""
+    patterns = [
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]  # fmt: skip
+    parts = Path(path).parts
+    ignored = False
+    for pattern in patterns:
+        glob = pattern.lstrip("!")
+        starts = range(len(parts)) if glob.startswith("**/") else [0]  # **/: at any depth
+        glob = glob[3:] if glob.startswith("**/") else glob
+        spans = [(i, j) for i in starts for j in range(i + 1, len(parts) + 1)]
+        if any(fnmatch.fnmatchcase("/".join(parts[i:j]), glob) for i, j in spans):
+            ignored = not pattern.startswith("!")
+    return ignored
+
+
+def test_the_build_context_carries_what_the_image_copies_and_no_venv_or_cache():
+    copies = [args for _, kw, args in dockerfile_instructions() if kw in ("COPY", "ADD")]
+    sources = [w.rstrip("/") for args in copies for w in shlex.split(args)[:-1] if not w.startswith("--")]
+    assert sources and not [s for s in sources if dockerignored(s)], sources
+    assert not dockerignored("src/gclip/__init__.py")
+    for left_out in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "build/x",
+        "tests/test_docker.py",
+        "src/gclip/__pycache__/clip.cpython-311.pyc",
+        ".mypy_cache/x",
+        ".hypothesis/x",
+    ):
+        assert dockerignored(left_out), left_out  # fmt: skip
 
 
 def test_install_steps_install_the_project_with_mpi():

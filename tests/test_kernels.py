@@ -77,12 +77,39 @@ def test_compiled_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p, d
 
 
 @pytest.mark.parametrize("p", [1, 2])
+def test_float32_runs_of_blocks_keep_the_numpy_folds_integers(kernels, numpy_only, p):
+    """float32 folds runs of _jit._RUN blocks with the top bin of the run's first block, and goes
+    block by block where a later block rises above it, the first block is zeros, or a block holds
+    inf or NaN: each case against the numpy folds, in the bins the result keeps."""
+    from gclip import _jit
+
+    block = _kernels.kernel_block(4)
+    run = _jit._RUN * block
+    rng = np.random.default_rng(70 + p)
+    x = rng.normal(size=5 * run + 100).astype(np.float32)
+    x[2 * block : 3 * block] *= np.float32(1e-20)  # run 0: a block far below the first one's top
+    x[5 * block : 6 * block] *= np.float32(1e15)  # run 0: a block above the first one's top
+    x[run : run + block] = 0.0  # run 1 starts with a block of zeros
+    x[3 * run : 3 * run + block] *= np.float32(1e-20)  # run 3 starts far below its other blocks
+    binned = partials.BinnedPowerSum(p)
+    for y in (x, x[run:], x[4 * run + 5 :], x[:-3]):  # the rise and the fallbacks, and runs at other starts
+        compiled, plain = binned.local([y]), numpy_only(lambda y=y: binned.local([y]))
+        assert kept_bins(binned, compiled) == kept_bins(binned, plain)
+        assert binned.power(compiled) == binned.power(plain)
+    for special, want in ((np.inf, math.isinf), (np.nan, math.isnan)):
+        y = x.copy()
+        y[2 * run + 3 * block + 7] = special  # a block of run 2
+        compiled, plain = binned.local([y]), numpy_only(lambda y=y: binned.local([y]))
+        assert want(compiled[1]) and want(plain[1])
+
+
+@pytest.mark.parametrize("p", [1, 2])
 def test_rescaled_folds_add_digit_sums_beyond_2_to_the_53_exactly(kernels, p):
     """A block of values at the top of a bin beyond the unscaled folds' range (the rescaled folds):
-    each top digit near 2**43, their sum past 2**53, against the exact sum."""
+    each top digit near 2**43, a block's sum near 2**53, against the exact sum."""
     binned = partials.BinnedPowerSum(p)
     rng = np.random.default_rng(40 + p)
-    m = 2.0 - rng.random(_kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
+    m = 2.0 - rng.random(2 * _kernels.kernel_block(8)) * 2.0**-10  # full 53-bit significands, odd low digits
     if p == 2:  # squares m * 2**1054 just below 2**1055, the top of bin 23 (its unit 2**1012)
         x = np.ldexp(np.sqrt(m), 527)
     else:  # values m * 2**-882 just below 2**-881, the top of bin -21 (its unit 2**-924)
@@ -147,7 +174,7 @@ def test_float32_sum_of_squares_is_float64_accurate(kernels, numpy_only):
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 255, 256, 257, 4095, 4096, 4097, 4352, 4353, 9000])
 def test_float32_kernel_counts_every_element_once(kernels, n):
-    # the kernel walks blocks and hints ahead: sizes around both edges, with
+    # sizes around the vector loop's edges (16 lanes, 4 accumulators) and 4096, with
     # powers of two whose sum is exact, so one lost or doubled element shows
     x = np.ldexp(1.0, np.arange(n) % 20).astype(np.float32)
     exact = fsum_of_squares(x)
@@ -192,6 +219,43 @@ def test_bfloat16_kernel_passes_inf_and_nan_on(kernels):
             u = bfloat16_bits(np.ones(1002))
             u[where] = bfloat16_bits(np.array([special]))[0]
             assert want(float(kernels.sumsq_bf16(u))), (special, where)
+
+
+def fsum_of_float16_squares(h: np.ndarray) -> float:
+    """The oracle: each float16 widened by numpy (exact), squared exactly in float64, summed by math.fsum."""
+    return math.fsum(np.square(h.astype(np.float64)).tolist())
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 4097, 9000])
+def test_float16_kernel_counts_every_element_once(kernels, n):
+    # around the vector loop's edges (8 or 16 lanes, 4 accumulators); powers of two: an exact sum
+    h = (np.ldexp(1.0, np.arange(n) % 20 - 12) * np.where(np.arange(n) % 3, 1, -1)).astype(np.float16)
+    assert float(kernels.sumsq_f16(h.view(np.uint16))) == fsum_of_float16_squares(h)
+
+
+def test_float16_sum_of_squares_is_float64_accurate_with_subnormals_on_both_paths(kernels, numpy_only):
+    rng = np.random.default_rng(23)
+    h = (rng.normal(size=200_001) * np.exp(rng.uniform(-9, 9, 200_001))).astype(np.float16)
+    h[[3, 4, 5]] = [np.float16(6e-8), np.float16(-3e-6), np.float16(0.0)]  # two subnormals and a zero
+    exact = fsum_of_float16_squares(h)
+    compiled = partials.power_sum([h], 2.0)[0]
+    plain = numpy_only(lambda: partials.power_sum([h], 2.0)[0])
+    kernel = float(kernels.sumsq_f16(h.view(np.uint16)))
+    for path, got in (("power_sum, compiled", compiled), ("power_sum, numpy", plain), ("sumsq_f16", kernel)):
+        assert abs(got - exact) <= 1e-13 * exact, f"{path}: {got!r} vs {exact!r}"
+
+
+def test_float16_kernel_passes_inf_and_nan_on(kernels):
+    for special, want in ((np.inf, math.isinf), (np.nan, math.isnan)):
+        for where in (0, 1, 600, 1001):
+            h = np.ones(1002, np.float16)
+            h[where] = special
+            assert want(float(kernels.sumsq_f16(h.view(np.uint16)))), (special, where)
+
+
+def test_byte_swapped_float16_stays_on_numpy_path(kernels):
+    h = np.arange(1, 40_001).astype(">f2") / np.float16(4096)
+    assert partials.power_sum([h], 2.0)[0] == pytest.approx(fsum_of_float16_squares(h), rel=1e-13)
 
 
 def test_kernels_can_be_switched_off(numpy_only):
@@ -249,3 +313,34 @@ def test_no_llvm_intrinsic_is_named_for_typed_pointers():
     source = (Path(gclip.__file__).parent / "_jit.py").read_text()
     assert not re.findall(r"\"llvm\.[\w.]*\.p\d+[a-z]+\d*\"", source)
     assert "get_or_insert_function" not in source  # every intrinsic goes through declare_intrinsic
+
+
+AVX2_CPUS = ("haswell", "broadwell", "skylake", "znver1", "znver2", "znver3")
+
+
+def test_the_code_generation_is_the_target_named(kernels):
+    """Under NUMBA_CPU_NAME=haswell (scripts/test's second kernel lane) numba really emits AVX2
+    code, at most 256-bit vectors, whatever CPU runs the tests: the lane checks what an AVX2
+    machine runs, not this machine's AVX-512 code again (numba keeps the host's features when
+    NUMBA_CPU_FEATURES is not set too)."""
+    import os
+
+    import numba
+
+    name = os.environ.get("NUMBA_CPU_NAME")
+    if name not in AVX2_CPUS:
+        pytest.skip("the host's code generation (the AVX2 lane sets NUMBA_CPU_NAME=haswell)")
+
+    @numba.njit(fastmath={"reassoc", "contract"})  # not cached: compiled here, its assembly readable
+    def sumsq(x):
+        s = 0.0
+        for i in range(x.size):
+            v = np.float64(x[i])
+            s += v * v
+        return s
+
+    x = np.arange(100, dtype=np.float32)
+    assert sumsq(x) == fsum_of_squares(x)
+    (asm,) = sumsq.inspect_asm().values()
+    assert "%zmm" not in asm, f"{name}: AVX-512 registers in the code (NUMBA_CPU_FEATURES unset?)"
+    assert "%ymm" in asm and "vfmadd" in asm, f"{name}: no AVX2 fused vector loop"

@@ -162,7 +162,7 @@ def test_the_layout_check_rides_in_the_header():
     requests = []
     progs = []
     for r, (arrays, reps) in enumerate(zip(ranks, entries)):
-        progs.append(gclip.call.program(arrays, 1.0, rank=r, size=4, replicated=reps))
+        progs.append(engine.program(engine.check(arrays, 1.0, rank=r, size=4, replicated=reps)))
     for prog in progs:
         requests.append(next(prog))
     assert all(type(q) is engine.Reduce for q in requests)

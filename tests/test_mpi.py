@@ -7,6 +7,7 @@ left waiting in a collective (conftest.py also aborts the job on a failure).
 
 from __future__ import annotations
 
+import array
 import math
 import re
 from fractions import Fraction
@@ -444,3 +445,26 @@ def test_global_norm_error_if_nonfinite_raises_on_every_rank(comm, value, where)
     agree(comm, names_rank(reports[0][1], bad), reports[0][1])
     plain = repr(gclip.global_norm(x, comm=comm))  # without the flag: the norm, inf or nan, everywhere
     agree(comm, comm.allgather(plain) == [repr(value)] * comm.size, plain)
+
+
+# a rank's buffer (memoryview, array.array, 2-D memoryview) is one array, the same kind of result
+# on every rank: once, a 1-D buffer came back as a list of 0-d arrays where an ndarray rank got an array
+BUFFER_KINDS = [
+    lambda v: memoryview(v),
+    lambda v: array.array("d", v.tolist()),
+    lambda v: memoryview(v.reshape(len(v) // 2, 2)),
+    lambda v: v,
+]
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_buffers_are_one_array_on_every_rank(comm, inplace):
+    values = np.arange(1.0, 5.0) * (comm.rank + 1)
+    given = BUFFER_KINDS[comm.rank % len(BUFFER_KINDS)](values.copy())
+    result = gclip.clip_by_global_norm(given, 1.0, inplace=inplace, comm=comm)
+    exact = exact_norm(np.concatenate(comm.allgather(values)))
+    agree(comm, math.isclose(result.total_norm, exact, rel_tol=1e-15), f"{result.total_norm} vs {exact}")
+    out = np.asarray(result.grads)
+    agree(comm, np.allclose(out.ravel(), values * result.scale, rtol=2**-52, atol=0), f"{out}")
+    kind = type(given).__name__ if inplace else "ndarray"  # in place: the very object given
+    agree(comm, type(result.grads).__name__ == kind, f"{type(result.grads).__name__}, not {kind}")

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, the core never imports the lab, no module over 600 lines.
+"""The package's shape: no import cycle, the core never imports the lab, no module over 600 lines,
+the core has no hook for the lab (no steps to replace, no mode, no gallery bug) and stays small.
 
 The core is the package's flat modules (``gclip/*.py``, the package's
 ``__init__`` among them); the lab is every subpackage (``gclip/gallery/``,
@@ -12,6 +13,7 @@ absolute, at any depth (inside functions too), is an edge.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -157,7 +159,7 @@ def test_the_gallery_names_its_bugs():
 
 @pytest.mark.parametrize("module", sorted(CORE))
 def test_no_core_module_names_a_gallery_bug(module):
-    """The core has no string that is a bug's name (the gallery installs its bugs through the hook)."""
+    """The core has no string that is a bug's name (the gallery's bugs are the lab's own programs)."""
     names = _gallery_names() - {"global"}
     tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
     named = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in names})
@@ -167,6 +169,101 @@ def test_no_core_module_names_a_gallery_bug(module):
 def test_the_old_flat_lab_modules_are_gone():
     for name in ("demo.py", "train.py", "conformance.py", "bench.py", "plots.py", "_cli.py"):
         assert not (PACKAGE / name).exists(), name
+
+
+# The lab's bugs are its own programs, over the core's public checks, header, drivers and sums
+# (gclip/gallery/program.py): no core module defines or names a hook through which a caller
+# replaces a step, nor a mode. (multiply_by: the backends' multiply by a factor, no hook.)
+HOOK_NAMES = frozenset(
+    {
+        "Steps",
+        "CORRECT",
+        "steps",
+        "steps_for",
+        "norm_by",
+        "clip_by",
+        "clip_simulated_by",
+        "clip_grad_norm_by",
+        "half_power_sum",
+        "in_header",
+        "fill",
+        "mode",
+    }
+)
+ENTRIES_BY = frozenset({"multiply_by"})
+
+
+def names_in(tree: ast.AST) -> set[str]:
+    """Every name a module defines or uses: definitions, parameters, keywords, attributes, imports."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg:
+            found.add(node.arg)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name.rpartition(".")[2])
+    return found
+
+
+def hook_names(tree: ast.AST) -> list[str]:
+    """The names of a hook or a mode in a module: HOOK_NAMES, a ``*_by`` entry, or a string that
+    says ``mode=`` (a message naming a mode)."""
+    names = names_in(tree)
+    found = {n for n in names if n in HOOK_NAMES or (n.endswith("_by") and n not in ENTRIES_BY)}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.search(r"\bmode\s*=", node.value)
+        ):
+            found.add(f"{node.value[:40]!r}")
+    return sorted(found)
+
+
+def test_the_hook_check_sees_a_hook():
+    hook = "class Steps: ...\ndef clip_by(steps, grads): ...\nlabel = f'mode={1}'\nx.norm_by(fill=0)"
+    assert hook_names(ast.parse(hook)) == ["'mode='", "Steps", "clip_by", "fill", "norm_by", "steps"]
+    assert hook_names(ast.parse("def multiply_by(a, factor): ...")) == []
+
+
+@pytest.mark.parametrize("module", sorted(CORE))
+def test_no_core_module_defines_or_names_the_hook_or_a_mode(module):
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    found = hook_names(tree)
+    assert not found, f"{module} names the hook or a mode: {found}"
+
+
+# The numpy core (the reader, the sums, the bins, the engine, the drivers, the layout, the scale
+# rule, the errors, the front end) is read in an hour: at most CORE_LINES in all. The torch front
+# end (gclip.torch and the modules it alone imports) is counted apart: it is a second backend.
+CORE_LINES = 3500
+TORCH_FRONT_END = {"gclip.torch", "gclip.torch_fused", "gclip._dtensor"} | {
+    name for name in CORE if name.startswith("gclip._torch_")
+}
+
+
+def _lines(modules: set[str]) -> int:
+    return sum(len(MODULES[name].read_text().splitlines()) for name in modules)
+
+
+def test_the_torch_front_end_is_what_only_torch_imports():
+    numpy_core = CORE - TORCH_FRONT_END
+    assert not any(GRAPH[name] & TORCH_FRONT_END for name in numpy_core)
+    assert TORCH_FRONT_END <= CORE and "gclip._torch_partials" in TORCH_FRONT_END
+
+
+def test_the_numpy_core_is_at_most_3500_lines():
+    lines = _lines(CORE - TORCH_FRONT_END)
+    assert lines <= CORE_LINES, (
+        f"the numpy core is {lines} lines (the torch front end: {_lines(TORCH_FRONT_END)})"
+    )
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, job_env, run_job, torchrun_cmd
+from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ AGREED = "GclipValueError: ranks 0, 1, 2, 3 of 4: "
 
 def reports(case: str, tmp_path) -> list[dict]:
     job = run_job(torchrun_cmd(RANKS, SCRIPT, case, str(tmp_path)), env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 

@@ -18,9 +18,9 @@ torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip inst
 
 import gclip._torch_device as device_path  # noqa: E402
 import gclip.torch as gt  # noqa: E402
-from gclip import call  # noqa: E402
+from gclip import engine  # noqa: E402
 from gclip.errors import GclipValueError  # noqa: E402
-from torch_jobs import ROOT, job_env, run_job, torchrun_cmd  # noqa: E402
+from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd  # noqa: E402
 from torch_oracle import float64, fsum_norm  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -71,7 +71,7 @@ def test_a_bad_argument_is_raised_with_the_gradients_untouched(forced):
 
 
 def test_the_compile_time_fingerprint_is_the_engines():
-    spec, _ = call.settings(call.engine.CORRECT, 2.0, 1.0, False, False)
+    spec = engine.check([], 1.0, rank=0, size=1).spec
     assert device_path._crc_halves(spec.describe()) == spec.fingerprint
 
 
@@ -136,7 +136,7 @@ def test_compiled_in_a_two_rank_fsdp2_job(tmp_path):
     job = run_job(
         torchrun_cmd(2, str(ROOT / "tests" / "torch_compile_check.py"), str(tmp_path)), env=job_env()
     )
-    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(2)])
     every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in every:
         assert abs(r["eager"] - r["oracle"]) <= 1e-12 * r["oracle"]

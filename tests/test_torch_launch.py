@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, job_env, mpirun_cmd, run_job, torchrun_cmd
+from torch_jobs import ROOT, assert_finished, job_env, mpirun_cmd, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ STEPS = 50
 def test_under_torchrun_comm_none_is_refused_by_the_core_and_global_in_gclip_torch(tmp_path):
     script = str(ROOT / "tests" / "torch_torchrun_check.py")
     job = run_job(torchrun_cmd(2, script, str(tmp_path)), env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr
+    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(2)])
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in reports:
         assert r["core_none"].startswith(
@@ -44,9 +44,22 @@ def test_under_torchrun_comm_none_is_refused_by_the_core_and_global_in_gclip_tor
     assert reports[0]["norm"] == reports[1]["norm"] and reports[0]["oracle"] == reports[1]["oracle"]
 
 
+@pytest.mark.parametrize(("when", "accepted"), [("after", True), ("before", False), ("error", False)])
+def test_only_the_teardown_abort_after_every_verdict_is_let_through(tmp_path, when, accepted):
+    script = str(ROOT / "tests" / "torch_teardown_abort.py")
+    job = run_job(torchrun_cmd(2, script, str(tmp_path), when), env=job_env())
+    assert job.returncode != 0, job.stdout + job.stderr
+    try:
+        assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(2)])
+    except AssertionError:
+        assert not accepted, job.stderr[-3000:]
+    else:
+        assert accepted, job.stderr[-3000:]
+
+
 def example(cmd: list[str]) -> dict:
     job = run_job(cmd, env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr
+    assert_finished(job, stdout_verdict=True)
     lines = [line for line in job.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, job.stdout  # rank 0 reports
     return json.loads(lines[0])

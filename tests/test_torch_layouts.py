@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, job_env, run_job, torchrun_cmd
+from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ RANKS = 4
 
 def reports(layout: str, tmp_path) -> list[dict]:
     job = run_job(torchrun_cmd(RANKS, SCRIPT, layout, str(tmp_path)), env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
@@ -64,7 +64,7 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
 def amp(recipe: str, tmp_path, layout: str = "hsdp") -> list[dict]:
     script = str(ROOT / "tests" / "torch_amp_check.py")
     job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path), layout), env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
@@ -108,7 +108,7 @@ def test_the_fsdp_tp_example_matches_the_single_process_reference():
 
     def run(cmd: list[str]) -> dict:
         job = run_job(cmd, env=job_env())
-        assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+        assert_finished(job, stdout_verdict=True)
         (line,) = [x for x in job.stdout.splitlines() if x.startswith("{")]  # rank 0 reports
         return json.loads(line)
 
@@ -123,7 +123,7 @@ def test_the_fsdp2_bench_times_both_clips_and_finds_the_same_norm():
     """gclip.bench.fsdp (launched by torchrun): its own output, 2 ranks, GPT-2's embeddings alone."""
     cmd = torchrun_cmd(2, "-m", "gclip.bench.fsdp", "--layers", "0", "--repeat", "2", "--json")
     job = run_job(cmd, env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    assert_finished(job, stdout_verdict=True)
     (line,) = [x for x in job.stdout.splitlines() if x.startswith("{")]
     out = json.loads(line)
     assert out["ranks"] == 2 and out["values"] == (50257 + 1024) * 768 + 2 * 768
@@ -134,7 +134,7 @@ def test_the_fsdp2_bench_times_both_clips_and_finds_the_same_norm():
 def test_device_mesh_as_comm_dimension_names_and_the_refusals(tmp_path):
     script = str(ROOT / "tests" / "torch_mesh_check.py")
     job = run_job(torchrun_cmd(RANKS, script, str(tmp_path)), env=job_env())
-    assert job.returncode == 0, job.stdout + job.stderr[-4000:]
+    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
     every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
     oracle = every[0]["oracle"]
     for r in every:

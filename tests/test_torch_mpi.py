@@ -283,3 +283,25 @@ def test_plain_tensors_without_a_declaration_are_refused_on_every_rank(comm, wor
         return
     ok = all(e == every[0] for e in every) and kind == "GclipValueError" and "replicated=" in message
     agree(comm, ok, f"{world.kind}: {every}")
+
+
+def test_an_expanded_gradient_is_refused_before_the_header_on_every_rank(comm, world):
+    """A stride-0 gradient (``expand``) cannot be scaled in place: torch refuses the multiply.
+    Refused in the reading, it is one agreed error and no rank scales anything; found by
+    torch's multiply instead, it was an error of that rank alone, after the all-reduce."""
+    mine = held(comm.rank)
+    last = comm.size - 1
+    if comm.rank == last:
+        grad = mine.shards[1].grad
+        mine.shards[1].grad = torch.ones(1, dtype=grad.dtype).expand(*grad.shape)  # shape (rank + 1, 4)
+    before = [p.grad.clone() for p in mine.parameters()]
+    try:
+        gt.clip_grad_norm_(mine.parameters(), 1e-3, comm=world.comm, replicated=mine.entries(world))
+        kind, message = "nothing", ""
+    except Exception as exc:  # noqa: BLE001 - torch's own error on one rank is the defect
+        kind, message = type(exc).__name__, str(exc)
+    every = comm.allgather((kind, message))
+    ok = all(e == every[0] for e in every) and kind == "GclipValueError"
+    ok = ok and f"rank {last} of {comm.size}" in message and "stride 0" in message
+    untouched = all(torch.equal(p.grad, b) for p, b in zip(mine.parameters(), before))
+    agree(comm, ok and untouched, f"{world.kind}: {every}; untouched: {untouched}")

@@ -128,7 +128,8 @@ def test_one_rank_prints_how_to_start_more():
     "args,message",
     [
         (["--ranks", "0"], "invalid rank count"),
-        (["--ranks", "2", "--layout", "dp=2"], "--layout needs real ranks"),
+        (["--ranks", "3", "--layout", "dp=2"], "dp=2 = 2 ranks, but the world has 3"),
+        (["--ranks", "3", "--layout", "pp=3"], "pp must be 1 or 2"),
     ],
 )
 def test_ranks_refuses_what_it_cannot_do(args, message):

@@ -8,6 +8,7 @@ the very same loss bits, since each element of the gradient counts once.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -47,6 +48,36 @@ def test_a_bug_on_a_layout_departs_from_the_correct_run(alone):
     assert got["correct"]["digest"] == alone["digest"]
     assert got["departs_at"] is not None
     assert max(got["update_norms"]) > 1.01 * got["max_norm"]  # per-rank lets the update past the limit
+
+
+def simulated(n: int, *args: str) -> dict:
+    """The trainer on ``n`` simulated ranks in one process (``--ranks``): no mpirun."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gclip.train", *STEPS, "--ranks", str(n), *args],
+        capture_output=True, text=True, env=venv_env(), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "layout"), [(4, "pp=2,tp=2"), (8, "pp=2,dp=2,tp=2")])
+def test_simulated_ranks_take_a_layout_with_the_bits_of_one_rank(alone, n, layout):
+    got = simulated(n, "--layout", layout)
+    assert (got["layout"], got["ranks"]) == (layout, n)
+    assert got["losses"] == alone["losses"] and got["digest"] == alone["digest"]
+
+
+@pytest.mark.slow
+def test_a_bug_on_a_simulated_layout_is_the_bug_on_real_ranks():
+    """The simulated mesh is the real one's: a per-rank bug (the replicas drift apart) gives
+    the real ranks' very bits."""
+    args = ("--layout", "dp=2,tp=2", "--buggy", "per-rank")
+    real, fake = run(4, *args), simulated(4, *args)
+    assert fake["departs_at"] is not None
+    for key in ("losses", "digest", "update_norms", "departs_at"):
+        assert fake[key] == real[key], key
+    assert fake["correct"]["digest"] == real["correct"]["digest"]
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gclip.torch as gt
-from torch_jobs import watchdog
+from torch_jobs import teardown, watchdog
 from torch_layouts_check import Net, batch, loss_of
 
 
@@ -80,8 +80,8 @@ def main(recipe: str, outdir: str, layout: str = "hsdp") -> None:
         report["check_replicas"] = ""
     except Exception as exc:  # noqa: BLE001 - reported
         report["check_replicas"] = f"{type(exc).__name__}: {exc}"
-    dist.destroy_process_group()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import gclip.torch as gt
-from torch_jobs import watchdog
+from torch_jobs import teardown, watchdog
 
 D, H, IN, OUT, BATCH = 6, 12, 5, 3, 4
 
@@ -233,9 +233,8 @@ def main(layout: str, outdir: str) -> None:
     report["local_counts"] = [
         p.grad.to_local().numel() if hasattr(p.grad, "to_local") else p.grad.numel() for p in params
     ]
-    dist.barrier()
-    dist.destroy_process_group()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
 
 import gclip.torch as gt
-from torch_jobs import watchdog
+from torch_jobs import teardown, watchdog
 from torch_layouts_check import error_of
 
 
@@ -53,8 +53,8 @@ def main(outdir: str) -> None:
         report["nonfinite"] = "nothing raised"
     except RuntimeError as exc:  # as torch's clip raises
         report["nonfinite"] = f"{type(exc).__name__}: {exc}"
-    dist.destroy_process_group()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 if __name__ == "__main__":

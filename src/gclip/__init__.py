@@ -4,7 +4,7 @@ When a gradient is sharded over R ranks, clipping must use the GLOBAL norm:
 each rank's local sum of squares, one all-reduce, the same scale on every rank.
 
 The core is the modules here (``clip``, ``torch``, ``layout``, ``replicas``,
-``call``, ``engine``, ``drivers``, ``policy``, ``partials``, ``errors``, ``contract``);
+``engine``, ``drivers``, ``policy``, ``partials``, ``errors``, ``contract``);
 the lab around it is the subpackages: ``gallery`` (the bugs), and, each run as
 ``python -m gclip.X``, ``demo``, ``train``, ``conformance`` (the judge) and
 ``bench``. See docs/architecture.md.

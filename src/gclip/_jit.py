@@ -15,21 +15,17 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 F32, F64 = 1, 2  # the table's kinds (0: left to numpy)
 _C_CONTIGUOUS, _F_CONTIGUOUS = 0x1, 0x2  # numpy's array flags (ndarraytypes.h)
-_AHEAD = 4096  # float32 elements the loops hint ahead (16 KiB)
-_LINE = 16  # float32 elements per 64-byte cache line
-_INNER = 256  # float32 elements summed between hints
 _HI = 1 if sys.byteorder == "little" else 0  # a float64's high 32-bit word
 
 # ---------------------------------------------------------------------------
 # LLVM operations numba has no Python spelling for
 
 
-_I8P, _I32, _I64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
 _DOUBLE = ir.DoubleType()
 
 
@@ -120,22 +116,6 @@ def fma(typingctx, x, y, z):  # x*y + z rounded once
     return types.float64(types.float64, types.float64, types.float64), codegen
 
 
-@intrinsic
-def prefetch(typingctx, arr, idx):  # a hint that arr[idx] is read soon; never faults
-    def codegen(ctx, b, sig, args):
-        aryty = sig.args[0]
-        ary = ctx.make_array(aryty)(ctx, b, args[0])
-        ptr = cgutils.get_item_pointer(ctx, b, aryty, ary, [args[1]], wraparound=False)
-        fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32])
-        # llvmlite spells the overloaded name for its own pointers (typed: .p0i8, opaque: .p0)
-        fn = b.module.declare_intrinsic("llvm.prefetch", [_I8P], fnty)
-        rw, locality, cache = (ir.Constant(_I32, v) for v in (0, 3, 1))
-        b.call(fn, [b.bitcast(ptr, _I8P), rw, locality, cache])
-        return ctx.get_dummy_value()
-
-    return types.void(arr, idx), codegen
-
-
 ptr32 = _pointer(types.float32)
 ptr64 = _pointer(types.float64)
 ptr_u32 = _pointer(types.uint32)
@@ -145,8 +125,6 @@ ptr_u32 = _pointer(types.uint32)
 # the kernels
 
 carray = numba.carray
-# reassociation only, and only in the plain sum: a float64 sum's order is free
-fast = numba.njit(fastmath={"reassoc"}, nogil=True, cache=True)
 # exact code: every rounding below is the numpy path's, in its order
 jit = numba.njit(nogil=True, cache=True)
 
@@ -182,8 +160,19 @@ def inspect(ids, lay, ptr, size, kind):
     return compiled
 
 
-@fast
-def _sumsq_run(x):
+# The sums of squares. Each value is widened to float64 and squared with one fused
+# multiply-add: the square of a float32, float16 or bfloat16 is exact in float64, so the
+# fused operation rounds only the sum, as a multiply then an add would. Reassociation lets
+# the compiler keep independent vector accumulators (4 x 8 float64 lanes with AVX-512, 4 x 4
+# with AVX2): the loop then reads at memory speed. No software prefetch: the hardware's
+# streams keep up with one plain loop, and the hints (a run of 256 values, each hinting 16 KiB
+# ahead) cost the float32 loop 15-25% on an AVX-512 EPYC, one or two processes streaming.
+# Reassociation and contraction only in these sums: the order of a float64 sum is free
+fast_fma = numba.njit(fastmath={"reassoc", "contract"}, nogil=True, cache=True)
+
+
+@fast_fma
+def sumsq(x):  # float32 (or float64: then each square is rounded once, in the fused operation)
     s = 0.0
     for i in range(x.size):
         v = np.float64(x[i])
@@ -191,19 +180,22 @@ def _sumsq_run(x):
     return s
 
 
-@jit
-def sumsq(x):
-    # runs of _INNER values, each hinting the run _AHEAD further on: with two ranks
-    # streaming at once, the hardware prefetcher alone leaves the loop waiting
+@intrinsic
+def half_as_float(typingctx, bits):  # an IEEE half's bits as the float64 it is (exact)
+    def codegen(ctx, b, sig, args):
+        return b.fpext(b.bitcast(args[0], ir.HalfType()), _DOUBLE)
+
+    return types.float64(types.uint16), codegen
+
+
+@fast_fma
+def sumsq_f16(u):
+    # float16 given as its uint16 bits (numba has no float16 arithmetic): widened exactly (with
+    # F16C, a vector conversion to float32, then to float64), squared in float64
     s = 0.0
-    n = x.size
-    step = _INNER * 4 // x.itemsize
-    ahead = _AHEAD * 4 // x.itemsize
-    line = _LINE * 4 // x.itemsize
-    for start in range(0, n, step):
-        for i in range(start + ahead, min(start + step + ahead, n), line):
-            prefetch(x, i)
-        s += _sumsq_run(x[start : start + step])
+    for i in range(u.size):
+        v = half_as_float(u[i])
+        s += v * v
     return s
 
 
@@ -213,11 +205,10 @@ def sumsq(x):
 # bfloat16 is exact in float64 (8 bits of mantissa), so a fused multiply-add rounds only the sum
 _BF16_HI = np.uint32(0xFFFF0000)
 _BF16_LO = np.uint32(16)
-fast_fma = numba.njit(fastmath={"reassoc", "contract"}, nogil=True, cache=True)
 
 
 @fast_fma
-def _sumsq_bf16_run(w):
+def _sumsq_bf16_words(w):
     s = 0.0
     for i in range(w.size):
         x = w[i]
@@ -238,7 +229,7 @@ def _square_bf16(b):
 def sumsq_bf16(u):
     # bfloat16 given as its uint16 bits (numpy has no bfloat16): squared in float64, in one
     # pass over the 32-bit words that hold two values each (one value apart at an odd start
-    # or end), hinting ahead as sumsq does; no float32 copy of the array is ever made
+    # or end); no float32 copy of the array is ever made
     n = u.size
     if u.strides[0] != 2:  # a strided view: value by value
         s = 0.0
@@ -251,11 +242,7 @@ def sumsq_bf16(u):
     s = _square_bf16(u[0]) if head else 0.0
     m = (n - head) // 2
     if m:
-        w = carray(ptr_u32(u.ctypes.data + 2 * head), m)
-        for start in range(0, m, _INNER):
-            for i in range(start + _AHEAD, min(start + _INNER + _AHEAD, m), _LINE):
-                prefetch(w, i)
-            s += _sumsq_bf16_run(w[start : start + _INNER])
+        s += _sumsq_bf16_words(carray(ptr_u32(u.ctypes.data + 2 * head), m))
     if head + 2 * m < n:
         s += _square_bf16(u[n - 1])
     return s
@@ -431,8 +418,22 @@ def _deposit(counts, b, d):
     counts[b, 0] = lo
 
 
+_RUN = 8  # blocks folded as one, with one top bin, where none of them rises above it
+
+
 @jit
-def digits(x, p, counts, width, bin_lo, block):
+def _constants(t, width):  # the folds' extraction constants for top bin t, or m0 = 0.0 out of range
+    u = width * t  # the top bin's unit is 2**u
+    if 52 + u <= 1023 and u - 2 * width >= -1000:
+        m0 = from_bits((52 + u + 1023) << 52 | 1 << 51)  # 1.5 * 2**(52 + u)
+        m1 = from_bits((52 + u - width + 1023) << 52 | 1 << 51)
+        m2 = from_bits((52 + u - 2 * width + 1023) << 52 | 1 << 51)
+        return m0, m1, m2
+    return 0.0, 0.0, 0.0
+
+
+@jit
+def _blocks(x, p, counts, width, bin_lo, block):
     # each block: its max |x| gives its top bin t (the next block's max is taken in this
     # block's fold loop, where its loads overlap the arithmetic), then the three folds
     special = 0.0
@@ -449,18 +450,15 @@ def digits(x, p, counts, width, bin_lo, block):
         if not m < np.inf:  # inf or NaN: the block is special, its digits are not counted
             special += m
         elif m > 0.0:
-            u = width * t  # the top bin's unit is 2**u
-            if 52 + u <= 1023 and u - 2 * width >= -1000:
-                m0 = from_bits((52 + u + 1023) << 52 | 1 << 51)  # 1.5 * 2**(52 + u)
-                m1 = from_bits((52 + u - width + 1023) << 52 | 1 << 51)
-                m2 = from_bits((52 + u - 2 * width + 1023) << 52 | 1 << 51)
+            m0, m1, m2 = _constants(t, width)
+            if m0 > 0.0:
                 one = m / m  # 1.0, unknown to the compiler
                 if p == 2 and x.itemsize == 4:
                     d0, d1, d2, mz = _folds_sq32(y, z, m0, m1, m2, one)
                 else:
                     d0, d1, d2, mz = _folds(y, z, p, m0, m1, m2, one)
             else:
-                d0, d1, d2 = _folds_scaled(y, p, u // p, width)
+                d0, d1, d2 = _folds_scaled(y, p, (width * t) // p, width)
             _deposit(counts, t - bin_lo, d0)
             _deposit(counts, t - 1 - bin_lo, d1)
             _deposit(counts, t - 2 - bin_lo, d2)
@@ -470,6 +468,43 @@ def digits(x, p, counts, width, bin_lo, block):
                 t = _top_bin(m, p, width) if 0.0 < m < np.inf else 0
             else:
                 t, m = _block_top(x[nxt : nxt + block], p, width)
+    return special
+
+
+@jit
+def digits(x, p, counts, width, bin_lo, block):
+    # runs of _RUN blocks folded with the top bin t of the run's first block, the run's own max
+    # taken in the same loop: a value's digits in the bins the result keeps are the same for any
+    # top bin from its own block's up to the global one (the digits above its own are 0, those
+    # below are the cascade's), so where no block of the run rises above t, the run's digits are
+    # its blocks' (one deposit and one horizontal sum per run instead of per block); a run that
+    # does rise, holds inf or NaN, zeros or values out of the constants' range goes block by block
+    if x.itemsize == 8:  # float64 reads twice the bytes: its loop does better reading the next block
+        return _blocks(x, p, counts, width, bin_lo, block)  # ahead (its max), as _blocks does
+    special = 0.0
+    n = x.size
+    run = _RUN * block
+    start = 0
+    while start < n:
+        end = min(start + run, n)
+        t, m = _block_top(x[start : start + block], p, width)
+        if 0.0 < m < np.inf and end - start > block:
+            m0, m1, m2 = _constants(t, width)
+            if m0 > 0.0:
+                y = x[start:end]
+                one = m / m  # 1.0, unknown to the compiler
+                if p == 2 and x.itemsize == 4:
+                    d0, d1, d2, my = _folds_sq32(y, y, m0, m1, m2, one)
+                else:
+                    d0, d1, d2, my = _folds(y, y, p, m0, m1, m2, one)
+                if 0.0 < my < np.inf and _top_bin(my, p, width) <= t:
+                    _deposit(counts, t - bin_lo, d0)
+                    _deposit(counts, t - 1 - bin_lo, d1)
+                    _deposit(counts, t - 2 - bin_lo, d2)
+                    start = end
+                    continue
+        special += _blocks(x[start:end], p, counts, width, bin_lo, block)
+        start = end
     return special
 
 

@@ -7,11 +7,14 @@ call. The kernels compute what the numpy code in ``partials`` computes:
 
 - ``sumsq``: sum of float64(x)**2 (float64 accumulators, reordered freely: the
   order of a float sum is not part of the default mode's contract, its accuracy
-  is: ~1e-13 at 1e7 elements);
+  is: ~1e-13 at 1e7 elements); float32, float64, and float16 and bfloat16 given
+  as their bits;
 - ``digits``: the reproducible mode's digit counts: in the bins the result
   keeps, the very integers of the numpy folds (the same round-half-even
-  extraction; a top bin per block of KERNEL_BLOCK_BYTES where numpy's blocks
-  hold BLOCK values, which changes no digit the result keeps);
+  extraction; a top bin per block of KERNEL_BLOCK_BYTES, or for float32 per run
+  of such blocks none of which rises above its first one's, where numpy's blocks
+  hold BLOCK values: any top bin from a block's own up to the global one gives
+  the same digits in the bins the result keeps);
 - ``multiply_table``: x *= s in place (float32 arrays by the float32 scale given).
 
 A list of arrays goes in one call through a :class:`Table` of (address, size,
@@ -50,9 +53,11 @@ BLOCK = 512  # the reproducible mode's block: one top bin, digit sums exact (sha
 # the compiled folds' block, in bytes: a value's digits in the bins the result keeps do not
 # depend on its block, so any block gives the same result; the kernels add digits as int64 (a
 # block's digit sum stays below 2**55), and a longer block pays its fixed costs (the top bin, the
-# deposits, the accumulators' horizontal sums) over more values while two blocks still fit in L1:
-# 4096 float32 or 2048 float64 values
-KERNEL_BLOCK_BYTES = 16 << 10
+# deposits, the accumulators' horizontal sums) over more values, as long as a block and the next
+# one (whose max the fold loop reads) stay in L1 with room to spare: 2048 float32 or 1024 float64
+# values. On a 32 KiB L1 (AMD Zen 4) blocks of 16 KiB were 21-30% slower at 1e7 values, 4-12 KiB
+# within 3% of each other
+KERNEL_BLOCK_BYTES = 8 << 10
 
 
 def kernel_block(itemsize: int) -> int:
@@ -77,7 +82,7 @@ class Table(NamedTuple):
     def overlaps(self) -> bool:
         """Do any two compiled entries share memory (the same array twice included)? A yes or no
         for the whole list at once, vectorised: where it says yes, the checks read the list item
-        by item and ``_validate.same_memory`` says which arrays, and whether they are repeats."""
+        by item and ``reader.same_memory`` says which arrays, and whether they are repeats."""
         return bool(_overlaps(self))
 
 
@@ -111,6 +116,7 @@ class Kernels:
         self._layout = layout
         self.sumsq_f32 = fns.sumsq  # one 1-D float32 or float64 array
         self.sumsq_bf16 = fns.sumsq_bf16  # one 1-D uint16 array: bfloat16 bits (gclip.torch)
+        self.sumsq_f16 = fns.sumsq_f16  # one 1-D contiguous uint16 array: float16 bits
 
     def table(self, arrays: Any, writable: bool = False) -> Table | None:
         """The arrays' table: read from the headers in one compiled call, or where they cannot

@@ -1,6 +1,6 @@
 """gclip.torch's sync-free path: the norm, its agreement and the scale, all on the device.
 
-The checks are the call layer's (``call.prepare``: arguments, layout, DTensor placements),
+The checks are the engine's (``engine.check``: arguments, layout, DTensor placements),
 made on the host from metadata alone (shapes, dtypes, meshes: nothing is read from a
 device). Then, with no value read on the host:
 
@@ -8,7 +8,7 @@ device). Then, with no value read on the host:
    norm, one kernel per group, however many tensors it holds;
 2. the header, a float64 tensor on the process group's device: this rank's error flag, the
    fingerprint of its arguments and their squares, its power sum, the layout's ring sums
-   (``layout``, ``_dtensor``), as the engine's header (``engine.norm_program``) is;
+   (``layout``, ``_dtensor``), as the engine's header (``engine.header``) is;
 3. ONE all-reduce (SUM) of it (none on one rank);
 4. the verdict and the scale as tensors: ``bad`` when a rank failed, the fingerprints differ
    or a ring sum is not 0; the norm (NaN where bad); the scale min(1, max_norm / norm),
@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import call, engine
+from . import engine
 
 __all__ = ["FORCE", "check", "clip", "eligible"]
 
@@ -95,7 +95,7 @@ def clip(
     world: Any,
     items: Any,
     max_norm: Any,
-    backend: call.Backend,
+    backend: engine.Backend,
     *,
     replicated: Any,
     counting: Any,
@@ -105,19 +105,20 @@ def clip(
     """One call on the device: the global norm as a float64 0-d tensor, the gradients scaled."""
     if not torch.compiler.is_compiling():
         check()  # a failure of the last call is raised here, on every rank
-    checked = call.prepare(
+    checked = engine.check(
         items,
         max_norm,
         backend,
-        replicated,
         rank=world.rank,
         size=world.size,
+        replicated=replicated,
         counting=counting,
         norm_type=norm_type,
         inplace=inplace,
     )
     arrays = list(checked.arrays)
-    counted = list(engine.counted(arrays, checked.counting.owned))
+    owned = checked.counting.owned
+    counted = arrays if owned is None else [a for a, own in zip(arrays, owned) if own]
     device = _header_device(world, arrays)
     p = checked.spec.norm_type
     power = torch.zeros((), dtype=torch.float64, device=device)
@@ -138,10 +139,10 @@ def clip(
     total = header[_POWER]
     norm = torch.sqrt(total) if p == 2.0 else total ** (1.0 / p)
     norm = torch.where(bad, torch.nan, norm)
-    if max_norm is not call.NO_LIMIT:
+    if max_norm is not engine.NO_LIMIT and checked.limit is not None:
         scale = torch.clamp(checked.limit / norm, max=1.0)
         scale = torch.where(bad | ~torch.isfinite(norm), 1.0, scale)
-        targets = checked.given.scaled_tensors if checked.given is not None else []
+        targets = checked.grads.scaled_tensors if checked.grads is not None else []
         for (dev, dtype), group in _by_device_and_dtype(targets).items():
             torch._foreach_mul_(group, _factor(scale.to(dev), dtype))
     _defer(world, bad, checked, device)

@@ -1,4 +1,4 @@
-"""The gradients that ``gclip.torch`` clips, read for the call layer (``gclip.call``).
+"""The gradients that ``gclip.torch`` clips, read for the engine (``engine.check``).
 
 A parameter's ``.grad`` (None skipped, as torch does) or a tensor itself; a
 DTensor as its local tensor and the entry its placements imply (``gclip._dtensor``).
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _torch_partials, _validate, call
+from . import _dtensor, _torch_partials, engine, reader
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["FLOAT_DTYPES", "Gradients", "backend", "gradients"]
@@ -55,7 +55,7 @@ def _checked(g: Any, where: str) -> torch.Tensor:
 
 
 class Gradients(NamedTuple):
-    """The gradients read for one call (the call layer's ``given``, see ``gclip.call``)."""
+    """The gradients read for one call: the arrays as read (``engine.Grads``)."""
 
     tensors: list[torch.Tensor]  # each distinct gradient once, as counted (a DTensor's local tensor)
     entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
@@ -82,23 +82,30 @@ def _read(
     foreach: bool | None,
     probe: torch.Tensor | None = None,
 ) -> Any:
-    """The call layer's reader for tensors: (the gradients, each distinct one once, their entries)."""
+    """The engine's reader for tensors: (the gradients, each distinct one once, their entries)."""
     read = gradients(items, replicated, of_parameters=of_parameters, probe=probe)._replace(foreach=foreach)
+    if inplace:  # refused here, the error is agreed; torch's multiply would raise on this rank alone
+        for g, where in zip(read.scaled_tensors, read.wheres):
+            if any(stride == 0 and n > 1 for n, stride in zip(g.shape, g.stride())):
+                raise GclipValueError(
+                    f"{where} is expanded (stride 0: several elements are one memory location) and "
+                    "cannot be scaled in place; pass a tensor of its own (.clone())"
+                )
     return read, read.tensors, read.entries
 
 
 @functools.cache
-def backend(of_parameters: bool, foreach: bool | None) -> call.Backend:
-    """Tensors as the call layer reads them (parameters' .grad, or the tensors themselves)."""
+def backend(of_parameters: bool, foreach: bool | None) -> engine.Backend:
+    """Tensors as the engine reads them (parameters' .grad, or the tensors themselves)."""
     read = functools.partial(_read, of_parameters=of_parameters, foreach=foreach)
-    return call.Backend(read, _torch_partials)
+    return engine.Backend(read, _torch_partials)
 
 
-def probed_backend(foreach: bool | None, probe: torch.Tensor) -> call.Backend:
+def probed_backend(foreach: bool | None, probe: torch.Tensor) -> engine.Backend:
     """:func:`backend` for parameters, with ``probe`` counted as one more tensor of this rank's
     own (a GradScaler's found_inf as inf or 0: see ``gclip.torch``)."""
     read = functools.partial(_read, of_parameters=True, foreach=foreach, probe=probe)
-    return call.Backend(read, _torch_partials)
+    return engine.Backend(read, _torch_partials)
 
 
 def gradients(
@@ -243,7 +250,7 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
             repeat.update(_same_memory(picked, members))
     for i, j in repeat.items():
         (where_j, _, entry_j), (where_i, _, entry_i) = picked[j], picked[i]
-        if not _validate._same_entry(entry_j, entry_i):
+        if not reader._same_entry(entry_j, entry_i):
             raise GclipValueError(
                 f"{where_j} and {where_i} are the same gradient but replicated gives them different "
                 f"entries ({entry_j!r}, {entry_i!r})"
@@ -274,7 +281,7 @@ def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]
             and a.dtype == b.dtype
         )
 
-    return _validate.same_memory(
+    return reader.same_memory(
         members,
         span=lambda i: _span(tensors[i]),
         same_view=same_view,

@@ -1,8 +1,8 @@
 """Local reductions of torch tensors, on the device where each tensor lives.
 
-The engine's backend for ``gclip.torch`` (see ``engine.norm_program``): the
+The engine's backend for ``gclip.torch`` (see ``engine.program``): the
 same functions as ``partials`` (count, power_sum, max_abs, scaled_power_sum,
-half_power_sum, binned_digits, multiply_by), computed with torch ops. Every sum is
+binned_digits, multiply_by), computed with torch ops. Every sum is
 accumulated in float64; a float16, bfloat16 or float32 tensor is converted
 chunk by chunk into one reused float64 buffer per device, so no full-size
 float32 or float64 copy is ever made. Per-chunk partials stay on the device and
@@ -34,7 +34,6 @@ __all__ = [
     "chunks",
     "count",
     "digits_with_torch_ops",
-    "half_power_sum",
     "max_abs",
     "multiply_by",
     "power_sum",
@@ -197,22 +196,6 @@ def max_abs(arrays: Sequence[torch.Tensor]) -> tuple[float, bool]:
 def scaled_power_sum(arrays: Sequence[torch.Tensor], p: float, top: float) -> float:
     """sum (|x| / top)**p for top = max|x| > 0: nothing overflows (the engine's rescue)."""
     return _sum_on_devices(arrays, lambda c: c.abs().div_(top).pow_(p).sum())
-
-
-def half_power_sum(arrays: Sequence[torch.Tensor], p: float) -> float:
-    """sum |x|**p accumulated in float16, as a half-precision framework would: a
-    deliberate bug of the gallery (overflows at 65504)."""
-    sums = []
-    for t in arrays:
-        for c in chunks(t, chunk_size(t.device)):
-            h = c.abs().to(torch.float16)
-            sums.append((h if p == 1.0 else h.pow(p)).sum(dtype=torch.float16))
-    total = np.float16(0.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for ps in _per_device(sums).values():
-            for s in torch.stack(ps).cpu().numpy():
-                total = np.float16(total + s)
-    return float(total)
 
 
 def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | None) -> None:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from . import _validate, call, drivers, engine, policy
+from . import drivers, engine, layout, policy, reader
 from .comm import Comm
 from .errors import GclipValueError
 
@@ -41,16 +41,15 @@ class ClipResult(NamedTuple):
     total_norm: float  # the global norm, as computed (inf or NaN if the gradient is)
     scale: float  # the factor applied: min(1, max_norm / total_norm), 1 if not finite
     finite: bool  # False: the norm is inf/NaN and the gradients were left untouched
-    local_norm: float  # this rank's own norm (the arrays it counts)
-    local_power: float  # this rank's sum |x|**p (its max |x| for the inf-norm)
 
     @property
     def clipped(self) -> bool:
         return self.scale < 1.0
 
 
-# ---------------------------------------------------------------------------
-# the API: each call a program of the call layer (``gclip.call``), run by its driver
+def _clipped(args: engine.Arguments, norm: float, scale: float, inplace: bool) -> ClipResult:
+    """One rank's result: its arrays scaled (by their reader, in the layout given)."""
+    return ClipResult(args.grads.scaled(scale, inplace), norm, scale, math.isfinite(norm))
 
 
 def global_norm(
@@ -77,21 +76,19 @@ def global_norm(
             identical copies; a copy counts once (see ``gclip.layout``).
         error_if_nonfinite: raise NonFiniteNormError on every rank if the norm is inf or NaN.
     """
-    return norm_by(
-        engine.CORRECT,
+    mpi = drivers.Mpi(drivers.communicator(comm))
+    args = engine.check(
         grads,
-        comm=comm,
+        engine.NO_LIMIT,
+        rank=mpi.rank,
+        size=mpi.size,
+        comm=mpi.comm,
+        replicated=replicated,
         norm_type=norm_type,
         reproducible=reproducible,
-        replicated=replicated,
         error_if_nonfinite=error_if_nonfinite,
     )
-
-
-def norm_by(steps: engine.Steps, grads: Any, *, comm: Any = None, **settings: Any) -> float:
-    """:func:`global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    mpi = drivers.Mpi(_validate.communicator(comm))
-    return call.run(grads, call.NO_LIMIT, mpi, comm=mpi.comm, steps=steps, **settings).info.norm
+    return mpi.run(engine.program(args))[0]
 
 
 def clip_by_global_norm(
@@ -123,29 +120,21 @@ def clip_by_global_norm(
     Returns:
         ClipResult with ``grads`` in the layout given, ``total_norm``, ``scale``, ...
     """
-    return clip_by(
-        engine.CORRECT,
+    mpi = drivers.Mpi(drivers.communicator(comm))
+    args = engine.check(
         grads,
         max_norm,
-        comm=comm,
+        rank=mpi.rank,
+        size=mpi.size,
+        comm=mpi.comm,
+        replicated=replicated,
         norm_type=norm_type,
+        reproducible=reproducible,
         error_if_nonfinite=error_if_nonfinite,
         inplace=inplace,
-        reproducible=reproducible,
-        replicated=replicated,
     )
-
-
-def clip_by(
-    steps: engine.Steps, grads: Any, max_norm: float, *, comm: Any = None, **settings: Any
-) -> ClipResult:
-    """:func:`clip_by_global_norm` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    mpi = drivers.Mpi(_validate.communicator(comm))
-    done = call.run(grads, max_norm, mpi, comm=mpi.comm, steps=steps, **settings)
-    info = done.info
-    return ClipResult(
-        done.grads, info.norm, done.scale, math.isfinite(info.norm), info.local_norm, info.local_power
-    )
+    norm, scale = mpi.run(engine.program(args))
+    return _clipped(args, norm, scale, inplace)
 
 
 def clip_simulated(
@@ -165,57 +154,30 @@ def clip_simulated(
     :class:`gclip.layout.Group` entries for groups). The same engine runs as on
     real ranks; only the all-reduce is a sum over a list.
     """
-    return clip_simulated_by(
-        engine.CORRECT,
-        ranks,
-        max_norm,
-        norm_type=norm_type,
-        reproducible=reproducible,
-        replicated=replicated,
-        error_if_nonfinite=error_if_nonfinite,
-        inplace=inplace,
-    )
-
-
-def clip_simulated_by(
-    steps: engine.Steps, ranks: Sequence[Any], max_norm: float, *, replicated: Any = None, **settings: Any
-) -> list[ClipResult]:
-    """:func:`clip_simulated` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
     size = len(ranks)
-    per_rank = (
-        isinstance(replicated, (list, tuple))
-        and len(replicated) > 0
-        and all(isinstance(r, (list, tuple)) for r in replicated)
-    )
-    if per_rank and len(replicated) != size:
-        raise GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
-    programs = [
-        call.program(
+    calls = [
+        engine.check(
             g,
             max_norm,
             rank=r,
             size=size,
-            steps=steps,
-            replicated=replicated[r] if per_rank else replicated,
-            **settings,
+            replicated=entries,
+            norm_type=norm_type,
+            reproducible=reproducible,
+            error_if_nonfinite=error_if_nonfinite,
+            inplace=inplace,
         )
-        for r, g in enumerate(ranks)
+        for r, (g, entries) in enumerate(zip(ranks, layout.for_ranks(replicated, size)))
     ]
-    return [_result(done) for done in drivers.run_simulated(programs)]
-
-
-def _result(done: call.Done) -> ClipResult:
-    info = done.info
-    return ClipResult(
-        done.grads, info.norm, done.scale, math.isfinite(info.norm), info.local_norm, info.local_power
-    )
+    outcomes = drivers.run_simulated([engine.program(args) for args in calls])
+    return [_clipped(args, norm, scale, inplace) for args, (norm, scale) in zip(calls, outcomes)]
 
 
 def clip_scale(total_norm: float, max_norm: float) -> float:
     """The scale a clip applies: min(1, max_norm / total_norm); 1 for a zero norm;
     1 for an inf or NaN norm (the gradient is left untouched: skip the step)."""
-    limit = _validate.max_norm(max_norm)
-    norm = _validate._scalar(total_norm, "total_norm")
+    limit = engine.max_norm(max_norm)
+    norm = engine._scalar(total_norm, "total_norm")
     if norm < 0:
         raise GclipValueError(f"total_norm must be >= 0, got {norm!r}")
     return policy.scale(norm, limit)
@@ -256,9 +218,10 @@ def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
     """Multiply arrays by ``scale`` (finite, >= 0), each in its own dtype.
 
     float64 is multiplied as it is; float32 by the scale rounded toward zero
-    (so rounding cannot lift a clipped norm above its limit); float16 in
-    float64, rounded once. In place, a scale of exactly 1 touches nothing and
-    the very objects given come back; an array given twice is scaled once.
+    (so rounding cannot lift a clipped norm above its limit); float16, and float32
+    by a scale outside float32's normal range, in float64, rounded once. In place, a
+    scale of exactly 1 touches nothing and the very objects given come back; an array
+    given twice is scaled once.
     Returns the layout given (a tuple stays a tuple).
     """
-    return _validate.grads(grads, inplace).scaled(_validate.scale(scale), inplace)
+    return reader.grads(grads, inplace).scaled(engine.scale(scale), inplace)

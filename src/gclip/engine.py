@@ -1,23 +1,16 @@
-"""The clip as a program over ranks: local -> combine -> finish.
+"""The clip as one program over ranks: the header, the combine, the rescue, the agreed errors.
 
-A norm computation is written once, as a generator that yields the collectives
-it needs (:class:`Reduce`, :class:`Gather`) and receives their results; a
-driver (``gclip.drivers``: MPI, simulated ranks; ``gclip.torch``'s
-torch.distributed) runs it, sending each collective where the ranks are.
+:func:`check` reads one rank's arguments (the settings; the arrays, by the front end's
+:class:`Backend`; the layout, as a ``layout.Counting``) and keeps what it refuses.
+:func:`program` is the norm, a generator that yields the collectives it needs
+(:class:`Reduce`, :class:`Gather`) to a driver (``gclip.drivers``) and returns the norm
+and the factor of the scale rule (``policy``); the front end applies the factor.
 
-The steps of a program (local, combine, finish, scale) are this module's own
-functions, the correct clip; :class:`Steps` is the hook where a caller replaces
-some of them. The core runs :data:`CORRECT`, which replaces none; the lab's
-gallery installs its bugs through the hook, the very same code on every driver.
-Every program starts with the same fixed-size SUM all-reduce, the
-*header*: it carries this rank's error flag, a fingerprint of its arguments,
-its element count and (for finite p) its whole sum of |x|**p. So in the default
-L2 path the header IS the one collective, and whatever goes wrong on one rank
-(bad input, different arguments) is known to every rank at the same moment:
-all raise the same error (:func:`agreed_error`), none is left waiting. Only the
-inf-norm, the reproducible mode, the overflow rescue and the gallery's
-norm-sharing bugs (which combine local norms, not powers) need a second,
-config-dependent collective, which comes after the header has agreed on the config.
+Every program starts with the same small SUM all-reduce, the *header* (:func:`header`):
+this rank's error flag, a fingerprint of its arguments and its sum of |x|**p. In the
+default L2 path it is the one collective, and whatever goes wrong on one rank is known
+to every rank at once: all raise the same error (:func:`agreed_error`), none is left
+waiting. The inf-norm, the reproducible mode and the overflow rescue add one collective.
 """
 
 from __future__ import annotations
@@ -25,38 +18,45 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import numbers
 import zlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from . import partials
+from . import layout, partials, policy, reader
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError, one_line
+from .layout import EVERY_ARRAY, Counting
+from .partials import root
 
 __all__ = [
-    "CORRECT",
     "EVERY_ARRAY",
     "HEADER_SIZE",
+    "NO_LIMIT",
+    "NUMPY",
+    "Arguments",
+    "Backend",
     "Counting",
     "Gather",
-    "Local",
-    "NormInfo",
+    "Grads",
     "NormOp",
     "Program",
     "Reduce",
     "Spec",
-    "Steps",
+    "Sums",
     "agreed_error",
-    "combine",
-    "counted",
+    "check",
     "error_report",
+    "header",
     "local_norm",
-    "local_partials",
-    "norm_program",
+    "max_norm",
+    "nonfinite_error",
+    "norm_type",
+    "program",
     "rescued",
-    "root",
+    "scale",
 ]
 
 
@@ -80,106 +80,231 @@ class Gather(NamedTuple):
     item: Any
 
 
-Program = Generator["Reduce | Gather", Any, "NormInfo"]
-T = TypeVar("T")
-# a step of a program: it yields collectives, is sent their results, returns a T
+# a program, or a part of one: yields collectives, is sent their results
 Step = Generator["Reduce | Gather", Any, Any]
+Program = Generator["Reduce | Gather", Any, tuple[float, float]]  # returns (the norm, the factor)
+
+NO_LIMIT: Any = object()  # a norm alone: no max_norm to check, nothing to scale
 
 
-class NormInfo(NamedTuple):
-    """What a rank knows after the combine: the norm and how it came about."""
+class Grads(Protocol):
+    """The arrays as read (numpy: ``reader.Grads``; torch: ``_torch_gradients.Gradients``):
+    they scale themselves in the layout they were given."""
 
-    norm: float  # the norm the clip scales by
-    local_norm: float  # this rank's own norm (the arrays it counts)
-    local_power: float  # this rank's sum |x|**p (max |x| for inf)
-
-
-class Counting(NamedTuple):
-    """Which of this rank's arrays it counts, and the test that the ranks agree on it.
-
-    ``owned[i]``: this rank counts array i (a replicated array counts on one
-    rank of its group). ``ring`` is this rank's share of two sums that are
-    exactly 0 over all ranks when every group agrees on what it holds (see
-    ``layout``); they ride in the header, so the test costs no collective.
-    ``summary`` is what this rank declared, gathered only to explain a
-    disagreement, and ``explain(summaries)`` says it in one line.
-    """
-
-    owned: Sequence[bool] | None = None  # None: every array is this rank's
-    ring: tuple[float, float] = (0.0, 0.0)
-    summary: Any = None
-    explain: Callable[[list[Any]], str] | None = None
+    def scaled(self, factor: float, inplace: bool) -> Any: ...
 
 
-EVERY_ARRAY = Counting()
+class Backend(NamedTuple):
+    """A kind of arrays: how a front end reads them, and where their sums are computed."""
+
+    # (grads, replicated, inplace) -> (the arrays as read, the distinct arrays, their entries or None)
+    read: Callable[[Any, Any, bool], tuple[Grads, Sequence[Any], Sequence[Any] | None]]
+    partials: Any  # the local sums where the arrays live (``partials``, ``_torch_partials``)
 
 
-class Local(NamedTuple):
-    """What a rank knows of its own arrays before any collective."""
-
-    counted: Sequence[np.ndarray] = ()
-    count: int = 0  # type: ignore[assignment]  # (a field named as tuple.count)
-    power: float = 0.0  # sum |x|**p (finite p), max |x| (inf)
-    rescue: bool = False  # the plain sum overflowed or underflowed
-    nan: bool = False  # inf-norm: a NaN was seen
-    part: np.ndarray | None = None  # reproducible mode: the binned digits
-    norm: float = 0.0  # this rank's own norm
-    backend: Any = partials  # computes partials of ``counted`` (the rescue needs it again)
-
-
-_REFUSED = Local()  # what a rank whose arguments were refused brings to the header
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap key for the call's settings cache
-class Steps:
-    """The hook: the steps of the clip (local -> combine -> finish -> scale) that a caller replaces.
-
-    Each field left None is the engine's own, correct step: the plain function of this
-    module of the same name (:func:`local_partials`, :func:`combine`; ``scale`` is
-    ``policy.scale``); a callable there runs in its place, on real and simulated ranks
-    alike. The core only ever runs :data:`CORRECT`, which replaces nothing; the lab's
-    gallery (``gclip.gallery``) installs its bugs this way. ``name`` is part of the
-    fingerprint the ranks compare, so all must run the same steps.
-    """
-
-    name: str = "global"
-    per_rank: bool = False  # True: each rank clips by its own norm (a non-finite one is this rank's own)
-    # (arrays, spec, owned, backend) -> Local: this rank's partial, from all its arrays and ``owned``
-    local_partials: Callable[[Sequence[Any], Spec, Sequence[bool] | None, Any], Local] | None = None
-    in_header: Callable[[int], bool] | None = None  # (rank) -> does its power sum enter the header's SUM?
-    # (local, spec, rank, total) -> (norm, power as (mant, exp) or None), from the header's sums
-    # or a second collective
-    combine: Callable[[Local, Spec, int, list[float]], Step] | None = None
-    # (norm, *, p, count, ranks, power) -> the norm the clip scales by
-    finish: Callable[..., float] | None = None
-    scale: Callable[[float, float], float] | None = None  # (norm, max_norm) -> the factor applied
-
-
-CORRECT = Steps()
+NUMPY = Backend(reader.read, partials)  # numpy arrays (``gclip.clip``)
 
 
 @dataclass(frozen=True)
 class Spec:
     """Everything every rank must agree on, fingerprinted in the header."""
 
-    steps: Steps
     norm_type: float
     reproducible: bool
     extra: tuple[tuple[str, Any], ...] = ()  # e.g. max_norm: checked here, used by the caller
 
     def describe(self) -> str:
-        items = [
-            ("mode", self.steps.name),
-            ("norm_type", self.norm_type),
-            ("reproducible", self.reproducible),
-            *self.extra,
-        ]
+        items = [("norm_type", self.norm_type), ("reproducible", self.reproducible), *self.extra]
         return ", ".join(f"{k}={v!r}" for k, v in items)
 
-    @functools.cached_property  # computed once per Spec: the clip caches its Specs
+    @functools.cached_property  # computed once per Spec: the settings are cached
     def fingerprint(self) -> tuple[float, float]:
         crc = zlib.crc32(self.describe().encode())
         return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
+
+
+class Arguments(NamedTuple):
+    """One rank's arguments, checked (or the error every rank will raise)."""
+
+    grads: Any  # the arrays as read (a :class:`Grads`; None where refused)
+    arrays: Sequence[Any]  # the distinct arrays, each once
+    spec: Spec
+    limit: float | None  # max_norm (None: a norm alone)
+    counting: Counting
+    error: BaseException | None
+    size: int  # the ranks the program runs on
+    error_if_nonfinite: bool
+    backend: Backend
+
+
+_FALLBACK_SPEC = Spec(2.0, False)  # what a rank whose settings were refused reports
+
+
+def check(
+    grads: Any,
+    max_norm: Any,
+    backend: Backend = NUMPY,
+    *,
+    rank: int,
+    size: int,
+    comm: Any = None,
+    replicated: Any = None,
+    counting: Callable[[Any, Sequence[Any] | None, Sequence[Any]], Counting] | None = None,
+    norm_type: Any = 2.0,
+    reproducible: bool = False,
+    error_if_nonfinite: bool = False,
+    inplace: bool = False,
+) -> Arguments:
+    """Check every argument of one rank's call, keeping an error for the program to raise on
+    every rank together. ``max_norm``: :data:`NO_LIMIT` for a norm alone. ``counting(grads,
+    entries, arrays)`` replaces ``layout.counting`` where a front end reads more than
+    ``replicated=`` (gclip.torch: DTensor placements). The fingerprint holds the checked
+    values (1 and 1.0 are the same limit)."""
+    flag = bool(error_if_nonfinite)
+    spec: Spec = _FALLBACK_SPEC  # kept if a setting is refused
+    limit: float | None = None
+    try:
+        key = (norm_type, max_norm, bool(reproducible), flag)
+        # a training loop passes the same settings every step: checked (and fingerprinted) once,
+        # where they hash by value (a tensor as max_norm hashes by identity: checked every time)
+        plain = type(norm_type) in _PLAIN and (type(max_norm) in _PLAIN or max_norm is NO_LIMIT)
+        spec, limit = _cached_settings(*key) if plain else _check_settings(*key)
+        read, arrays, entries = backend.read(grads, replicated, inplace)
+        if counting is not None:
+            counts = counting(read, entries, arrays)
+        elif entries is None:  # no replicated=: every array is this rank's
+            counts = EVERY_ARRAY
+        else:
+            counts = layout.counting(entries, arrays, rank=rank, size=size, comm=comm)
+    except Exception as exc:  # noqa: BLE001 - kept, then raised on every rank together
+        return Arguments(None, (), spec, limit, EVERY_ARRAY, exc, size, flag, backend)
+    return Arguments(read, arrays, spec, limit, counts, None, size, flag, backend)
+
+
+def _check_settings(
+    given_p: Any, given_limit: Any, reproducible: bool, error_if_nonfinite: bool
+) -> tuple[Spec, float | None]:
+    """The checked scalar arguments as (Spec, limit); the limit is None for a norm alone."""
+    p = norm_type(given_p)
+    limit = max_norm(given_limit) if given_limit is not NO_LIMIT else None
+    if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
+        raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
+    agreed = (("max_norm", math.nan if limit is None else limit), ("error_if_nonfinite", error_if_nonfinite))
+    spec = Spec(p, reproducible, agreed)
+    spec.fingerprint  # noqa: B018 - computed here, once per setting, not in the header
+    return spec, limit
+
+
+_PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe cache keys
+# typed: True, 1 and 1.0 are equal keys, but True is refused where 1 is not
+_cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
+
+
+# ---------------------------------------------------------------------------
+# the scalar settings: each a clean value or a one-line error
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _scalar(value: Any, name: str) -> float:
+    """A real number, or an array or tensor holding exactly one (numpy, torch), as a float."""
+    if not _real(value) and getattr(value, "ndim", None) is not None and hasattr(value, "item"):
+        count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if count != 1:
+            raise GclipTypeError(f"{name} must be a number, got a {type(value).__name__} of {count} values")
+        value = value.item()  # an array or tensor of one element (as torch's clip takes): its number
+    if not _real(value):
+        raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise GclipValueError(f"{name} must be finite, got an integer beyond float") from None
+
+
+def max_norm(value: Any, name: str = "max_norm") -> float:
+    """A finite, non-negative real number, or a one-line error."""
+    limit = _scalar(value, name)
+    if not math.isfinite(limit) or limit < 0:
+        raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
+    return limit + 0.0  # -0.0 becomes 0.0: else the scale is -0.0 and flips the sign of every value
+
+
+def scale(value: Any) -> float:
+    """A scale to multiply by: finite and >= 0 (a negative scale flips the gradient)."""
+    s = _scalar(value, "scale")
+    if not math.isfinite(s) or s < 0:
+        raise GclipValueError(f"scale must be finite and >= 0, got {s!r}")
+    return s + 0.0  # -0.0 becomes 0.0: multiplying by -0.0 would flip the sign of zeros
+
+
+def norm_type(value: Any) -> float:
+    """p > 0, or inf (also written 'inf')."""
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if not _real(value):
+        raise GclipTypeError(f"norm_type must be a number or 'inf', got {type(value).__name__}")
+    p = float(value)
+    if math.isnan(p) or p <= 0:
+        raise GclipValueError(f"norm_type must be > 0 or inf, got {p!r}")
+    return p
+
+
+def program(args: Arguments) -> Program:
+    """One rank's norm and factor, from its checked arguments: (the norm, min(1, max_norm / norm)).
+
+    All local work happens before the header, so a refused argument or whatever the local
+    sums raise becomes this rank's error flag, and every rank raises it together. After the
+    header only the overflow rescue reads the arrays again; a failure there is flagged in the
+    rescue's own collectives and raised on every rank together too.
+    """
+    spec, owned, sums = args.spec, args.counting.owned, args.backend.partials
+    p = spec.norm_type
+    counted = args.arrays if owned is None else [a for a, own in zip(args.arrays, owned) if own]
+    error, count, power, nan, rescue, digits, finite = args.error, 0, 0.0, False, False, None, True
+    if error is None:
+        try:
+            count = sums.count(counted)
+            if p == math.inf:  # (p > 0: an equality, cheaper than math.isinf)
+                power, nan = sums.max_abs(counted)
+                finite = not nan and math.isfinite(power)
+            elif spec.reproducible:
+                digits = sums.binned_digits(partials.BinnedPowerSum(p), counted)
+                finite = math.isfinite(root(*partials.BinnedPowerSum(p).power(digits), p))
+            else:
+                power, rescue = sums.power_sum(counted, p)
+                finite = rescue or math.isfinite(power)  # a sum that needs the rescue is of finite values
+        except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
+            error = exc
+    total = yield from header(error, spec, args.counting, args.size, count, power, rescue, not finite)
+
+    if p == math.inf:  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
+        got = yield Reduce(np.array([power, float(nan)]), NormOp.MAX)
+        norm = math.nan if got[1] > 0 else float(got[0])
+    elif digits is not None:  # reproducible: integer digit counts, exact in any order
+        got = yield Reduce(digits)
+        norm = root(*partials.BinnedPowerSum(p).power(got), p)
+    elif total.rescue:  # some rank's plain sum was unusable: the scaled two-pass route
+        norm = yield from rescued(counted, p, sums)
+    else:  # the default path: the header's sum is the whole answer (for L2, root's own sqrt)
+        norm = math.sqrt(total.power) if p == 2.0 else root(total.power, 0, p)
+    if args.error_if_nonfinite and not math.isfinite(norm):
+        holders = yield Gather(not finite)
+        raise nonfinite_error(p, norm, holders)
+    return norm, 1.0 if args.limit is None else policy.scale(norm, args.limit)
+
+
+def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNormError:
+    """The error of ``error_if_nonfinite=True``: ``holders[r]``, rank r's own part is not finite."""
+    ranks = [r for r, bad in enumerate(holders) if bad]
+    where = (
+        f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        if ranks
+        else "every rank's own part is finite: the norm overflows float64"
+    )
+    name = "inf" if math.isinf(p) else f"{p:g}"
+    return NonFiniteNormError(f"the global {name}-norm is {norm!r} ({where}; error_if_nonfinite=True)")
 
 
 class _Slot(enum.IntEnum):
@@ -195,9 +320,9 @@ class _Slot(enum.IntEnum):
     H2 = 3
     H2SQ = 4
     COUNT = 5  # elements counted
-    SUM = 6  # sum |x|**p (ranks whose partial enters the combine)
+    SUM = 6  # sum |x|**p
     RESCUE = 7  # 1 where the plain sum over- or underflowed
-    NONFINITE = 8  # 1 where this rank's own norm is inf or NaN
+    NONFINITE = 8  # 1 where this rank's own part is inf or NaN
     LAYOUT1 = 9  # the counting ring sums: 0 over all ranks when the groups agree
     LAYOUT2 = 10
 
@@ -208,121 +333,56 @@ HEADER_SIZE = len(_Slot)
 _ERROR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE, _LAYOUT1, _LAYOUT2 = map(int, _Slot)
 
 
-def norm_program(
-    arrays: Sequence[np.ndarray],
+class Sums(NamedTuple):
+    """The header's sums over every rank, once the ranks agree."""
+
+    elements: float  # elements counted
+    power: float  # sum |x|**p
+    rescue: bool  # some rank's plain sum over- or underflowed
+    nonfinite: bool  # some rank's own part is inf or NaN
+
+
+def header(
+    error: BaseException | None,
     spec: Spec,
-    *,
-    rank: int,
+    counting: Counting,
     size: int,
-    counting: Counting = EVERY_ARRAY,
-    refused: BaseException | None = None,
-    error_if_nonfinite: bool = False,
-    backend: Any = partials,
-) -> Program:
-    """One rank's part of the norm: yields collectives, returns a NormInfo.
-
-    All local work happens before the header, so an argument the caller
-    ``refused`` or whatever the local reduction raises becomes this rank's
-    error flag, and every rank raises it together. After the header only the
-    overflow rescue reads the arrays again; a failure there is flagged in the
-    rescue's own collectives and raised on every rank together too.
-
-    ``backend`` computes the local partials where the arrays live: the
-    ``partials`` module for numpy arrays (the default), or a module with the
-    same functions for other arrays (``gclip._torch_partials``, on the tensor's device).
-    """
-    hook = spec.steps
-    error: BaseException | None = refused
-    local = _REFUSED
-    if error is None:
-        try:
-            if hook.local_partials is None:
-                local = local_partials(counted(arrays, counting.owned), spec, backend)
-            else:
-                local = hook.local_partials(arrays, spec, counting.owned, backend)
-        except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
-            error = exc
-
+    count: int,
+    power: float,
+    rescue: bool,
+    nonfinite: bool,
+) -> Generator[Reduce | Gather, Any, Sums]:
+    """The header all-reduce of one rank's part: returns the sums where every rank agrees;
+    where some rank failed, or the ranks disagree on ``spec`` or on what their groups
+    hold, every rank raises the same error instead."""
     h1, h2 = spec.fingerprint
-    in_header = hook.in_header is None or hook.in_header(rank)
-    header = np.array(  # floats only: numpy builds it fastest
+    mine = np.array(  # floats only: numpy builds it fastest
         [
             1.0 if error is not None else 0.0,
             h1,
             h1 * h1,
             h2,
             h2 * h2,
-            float(local.count),
-            local.power if in_header else 0.0,
-            1.0 if local.rescue and in_header else 0.0,
-            0.0 if math.isfinite(local.norm) else 1.0,
+            float(count),
+            power,
+            1.0 if rescue else 0.0,
+            1.0 if nonfinite else 0.0,
             *(counting.ring if error is None else (0.0, 0.0)),
         ]
     )
-    total = (yield Reduce(header)).tolist()  # Python floats: cheaper to read than numpy scalars
+    total = (yield Reduce(mine)).tolist()  # Python floats: cheaper to read than numpy scalars
     mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
-    disagree = total[_LAYOUT1] != 0.0 or total[_LAYOUT2] != 0.0
-    if total[_ERROR] or mismatch or disagree:
+    if total[_ERROR] or mismatch or total[_LAYOUT1] != 0.0 or total[_LAYOUT2] != 0.0:
         yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
-
-    if hook.combine is None:  # the correct combine (the default L2 path: the header's sum alone)
-        norm, power = yield from combine(local, spec, total, in_header)
-    else:
-        norm, power = yield from hook.combine(local, spec, rank, total)
-    if hook.finish is not None:  # a replaced finish (the gallery's rms, mean...)
-        norm = hook.finish(norm, p=spec.norm_type, count=int(total[_COUNT]), ranks=size, power=power)
-    if error_if_nonfinite:
-        # decided on what every rank knows: the global norm, or (each rank its own) the header's flag
-        bad = total[_NONFINITE] > 0 if hook.per_rank else not math.isfinite(norm)
-        if bad:
-            holders = yield Gather(not math.isfinite(local.norm))
-            raise _nonfinite_error(spec, norm, holders, hook.per_rank)
-    return NormInfo(norm, local.norm, local.power)
-
-
-def _nonfinite_error(spec: Spec, norm: float, holders: list[bool], per_rank: bool) -> NonFiniteNormError:
-    p = "inf" if math.isinf(spec.norm_type) else f"{spec.norm_type:g}"
-    ranks = [r for r, bad in enumerate(holders) if bad]
-    where = (
-        f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        if ranks
-        else "every rank's own part is finite: the norm overflows float64"
-    )
-    what = "a rank's own norm is not finite" if per_rank else f"the global {p}-norm is {norm!r}"
-    return NonFiniteNormError(f"{what} ({where}; error_if_nonfinite=True)")
-
-
-def local_partials(counted: Sequence[Any], spec: Spec, backend: Any) -> Local:
-    """The correct local step: the partial of the arrays this rank counts, its sum of
-    |x|**p (max |x| for inf), or its binned digits (reproducible)."""
-    p = spec.norm_type
-    count = backend.count(counted)
-    if math.isinf(p):
-        top, nan = backend.max_abs(counted)
-        return Local(counted, count, top, nan=nan, norm=math.nan if nan else top, backend=backend)
-    if spec.reproducible:
-        binned = partials.BinnedPowerSum(p)
-        part = backend.binned_digits(binned, counted)
-        mant, exp = binned.power(part)
-        norm = root(mant, exp, p)
-        return Local(counted, count, _ldexp(mant, int(p) * exp), part=part, norm=norm, backend=backend)
-    power, rescue, norm = local_norm(counted, p, backend)
-    return Local(counted, count, power, rescue, False, None, norm, backend)
+    return Sums(total[_COUNT], total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0)
 
 
 def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tuple[float, bool, float]:
     """(sum |x|**p, rescue, norm) of one rank's arrays for a finite p, the norm right even
     where the plain sum over- or underflows (the two-pass rescue, on this rank alone)."""
     power, rescue = backend.power_sum(arrays, p)
-    norm = _run_local(rescued(arrays, p, None, backend)) if rescue else root(power, 0, p)
+    norm = _run_local(rescued(arrays, p, backend, alone=True)) if rescue else root(power, 0, p)
     return power, rescue, norm
-
-
-def counted(arrays: Sequence[Any], owned: Sequence[bool] | None) -> Sequence[Any]:
-    """The arrays this rank counts: a replicated one on one rank of its group only."""
-    if owned is None:
-        return arrays
-    return [a for a, own in zip(arrays, owned) if own]
 
 
 def _agree(error: BaseException | None, spec: Spec, counting: Counting, mismatch: bool) -> Step:
@@ -377,57 +437,25 @@ _ERROR_CLASSES: dict[str, type[GclipError]] = {
 }
 
 
-def combine(local: Local, spec: Spec, total: list[float], shares: bool) -> Step:
-    """The correct combine: (the norm, the power sum as (mant, exp) if known). The header's
-    SUM is the whole answer where there are no digits, no rescue and a finite p (the default
-    L2 path: no second collective); else a second collective brings it.
+def rescued(counted: Sequence[Any], p: float, backend: Any, *, alone: bool = False) -> Step:
+    """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed: a MAX of
+    max |x|, then a SUM of (|x| / max)**p (``alone``: this rank's own arrays, no collective).
 
-    ``shares``: this rank's partial enters it (else it brings the neutral value).
-    """
-    p = spec.norm_type
-    if math.isinf(p):  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
-        got = yield Reduce(_part([local.power, float(local.nan)], -1.0, shares=shares), NormOp.MAX)
-        return (math.nan if got[1] > 0 else float(got[0])), None
-    if local.part is not None:  # reproducible: integer digit counts, exact in any order
-        binned = partials.BinnedPowerSum(p)
-        got = yield Reduce(local.part if shares else np.zeros_like(local.part))
-        mant, exp = binned.power(got)
-        return root(mant, exp, p), (mant, exp)
-    if total[_RESCUE]:  # some rank's plain sum was unusable: the scaled two-pass route
-        part = functools.partial(_part, shares=shares)
-        norm = yield from rescued(local.counted if shares else (), p, part, local.backend)
-        return norm, None
-    return root(total[_SUM], 0, p), (float(total[_SUM]), 0)  # the header's sum: the default path
-
-
-def _part(vec: list[float], fill: float = 0.0, *, shares: bool) -> np.ndarray:
-    """This rank's part of a collective: its numbers, or ``fill`` (the neutral value) where
-    its partial does not enter."""
-    return np.array(vec if shares else [fill] * len(vec), dtype=np.float64)
-
-
-def rescued(
-    counted: Sequence[Any], p: float, contribution: Callable[..., np.ndarray] | None, backend: Any
-) -> Step:
-    """Two-pass scaled norm (dnrm2's way) when a plain sum overflowed or underflowed.
-
-    ``contribution`` builds this rank's part of a collective; None: this rank alone.
-    Across ranks this runs after the header and reads the arrays again, so a failure
-    here (out of memory, a device error) rides as a flag in the pass's own collective
-    and every rank raises it together.
+    A rank with nothing to count brings 0 to both, the neutral value of each. Across ranks
+    this runs after the header and reads the arrays again, so a failure here (out of memory,
+    a device error) rides as a flag in the pass's own collective and every rank raises it
+    together.
     """
     error: BaseException | None = None
     top, nan = 0.0, False
     try:
         top, nan = backend.max_abs(counted)
-    except Exception as exc:  # agreed in the MAX below (the raise above: alone)
-        if contribution is None:
+    except Exception as exc:  # agreed in the MAX below (alone: raised here)
+        if alone:
             raise
         error = exc
-    if contribution is not None:
-        got = yield Reduce(
-            np.append(contribution([top, float(nan)], -1.0), 1.0 if error else 0.0), NormOp.MAX
-        )
+    if not alone:
+        got = yield Reduce(np.array([top, float(nan), 1.0 if error else 0.0]), NormOp.MAX)
         if got[2] > 0:
             yield from _agree_late(error)
         top, nan = float(got[0]), bool(got[1] > 0)
@@ -439,11 +467,11 @@ def rescued(
     try:
         s = backend.scaled_power_sum(counted, p, top) if counted else 0.0
     except Exception as exc:  # agreed in the SUM below
-        if contribution is None:
+        if alone:
             raise
         error = exc
-    if contribution is not None:
-        got = yield Reduce(np.append(contribution([s]), 1.0 if error else 0.0))
+    if not alone:
+        got = yield Reduce(np.array([s, 1.0 if error else 0.0]))
         if got[1] > 0:
             yield from _agree_late(error)
         s = float(got[0])
@@ -464,23 +492,3 @@ def _run_local(program: Step) -> Any:
     except StopIteration as done:
         return done.value
     raise RuntimeError("a local computation asked for a collective")  # pragma: no cover
-
-
-def root(mant: float, exp: int, p: float) -> float:
-    """The norm from a sum of |x|**p given as mant * 2**(p*exp): (mant * 2**(p*exp)) ** (1/p),
-    without overflow in the middle."""
-    mant = float(mant)
-    if mant == 0.0 or not math.isfinite(mant):
-        return mant
-    try:
-        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
-        return math.ldexp(r, exp)
-    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
-        return math.inf
-
-
-def _ldexp(mant: float, exp: int) -> float:
-    try:
-        return math.ldexp(mant, exp)
-    except OverflowError:
-        return math.inf

@@ -27,21 +27,23 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .engine import Counting
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
     "AXES",
+    "EVERY_ARRAY",
+    "Counting",
     "Group",
     "Mesh",
     "Placement",
     "counting",
+    "for_ranks",
     "is_flag",
     "is_group",
     "is_shard",
@@ -50,6 +52,41 @@ __all__ = [
 
 AXES = ("pp", "dp", "tp", "ep")  # the names a Mesh knows, in their usual order
 _RING_BITS = 20  # per hash: sums of +-2**20 terms stay exact in float64 for 2**32 terms
+
+
+class Counting(NamedTuple):
+    """Which of this rank's arrays it counts, and the test that the ranks agree on it.
+
+    ``owned[i]``: this rank counts array i (a replicated array counts on one
+    rank of its group). ``ring`` is this rank's share of two sums that are
+    exactly 0 over all ranks when every group agrees on what it holds; they
+    ride in the engine's header, so the test costs no collective.
+    ``summary`` is what this rank declared, gathered only to explain a
+    disagreement, and ``explain(summaries)`` says it in one line.
+    """
+
+    owned: Sequence[bool] | None = None  # None: every array is this rank's
+    ring: tuple[float, float] = (0.0, 0.0)
+    summary: Any = None
+    explain: Callable[[list[Any]], str] | None = None
+
+
+EVERY_ARRAY = Counting()
+
+
+def for_ranks(replicated: Any, size: int) -> list[Any]:
+    """``replicated=`` of R simulated ranks, one entry per rank: one list for every rank (flags),
+    or one list per rank (``replicated[r]``, with :class:`Group` entries for groups)."""
+    lists = (
+        isinstance(replicated, (list, tuple))
+        and len(replicated) > 0
+        and all(isinstance(r, (list, tuple)) for r in replicated)
+    )
+    if not lists:
+        return [replicated] * size
+    if len(replicated) != size:
+        raise GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
+    return list(replicated)
 
 
 @dataclass(frozen=True)
@@ -99,15 +136,13 @@ def counting(
     size: int,
     comm: Any = None,
 ) -> Counting:
-    """The engine's Counting for this rank: what it counts and its share of the ring sums.
+    """The Counting for this rank: what it counts and its share of the ring sums.
 
     ``entries`` has one entry per array (see the module docstring); ``comm``
     is the clip's communicator (None on simulated ranks, where groups are
     :class:`Group`).
     """
     if entries is None:
-        from .engine import EVERY_ARRAY
-
         return EVERY_ARRAY
     owned: list[bool] = []
     held: dict[tuple[int, ...], list[tuple[tuple[int, ...], str]]] = {}

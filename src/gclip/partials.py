@@ -1,22 +1,14 @@
-"""Local reductions of numpy arrays: what one rank computes from its own arrays.
+"""The sums of numpy arrays: what one rank computes from its own arrays, and the factor applied.
 
-The engine's backend for numpy (``gclip._torch_partials`` is torch's, with the
-same functions): numpy, and the compiled kernels of ``_kernels`` (numba) where
-they are available and the arrays are many or large. Nothing here talks to
-MPI, so the same code runs on real ranks and on the simulated ranks of the
-judge and the unit tests (see ``engine``).
+The engine's backend for numpy (``gclip._torch_partials`` has the same functions for
+torch), with the compiled kernels of ``_kernels`` where the arrays are many or large.
+No MPI here: real and simulated ranks run the same code.
 
-- :func:`power_sum`: sum of |x|**p accumulated in float64 in one read (one BLAS
-  dot for float64 and p=2). It says when it cannot be trusted (overflow, or
-  underflow of tiny values: :func:`needs_rescue`, for every backend); then the
-  engine takes the two-pass scaled route,
-  :func:`max_abs` and :func:`scaled_power_sum`, as LAPACK's dnrm2 would.
-- :func:`max_abs`: the inf-norm's local part.
-- :func:`multiply_by`: the clip's factor, applied to each array in its own dtype
-  (:func:`float32_toward_zero`: the factor float32 values are multiplied by).
-- :class:`BinnedPowerSum`: the reproducible mode. Values are cut into digits on
-  a fixed grid of bins (ReproBLAS-style); digit counts are integers, so ranks
-  combine them exactly and the result has the same bits for any layout.
+- :func:`power_sum`: sum |x|**p in float64, in one read, and whether it needs the
+  rescue (:func:`needs_rescue`): the two-pass :func:`max_abs`, :func:`scaled_power_sum`.
+- :func:`multiply_by`: the factor, applied to each array in its own dtype.
+- :class:`BinnedPowerSum`: the reproducible mode's integer digit counts (ReproBLAS-style),
+  which ranks add exactly, so the norm has the same bits for any layout.
 """
 
 from __future__ import annotations
@@ -38,13 +30,13 @@ __all__ = [
     "chunk_size",
     "count",
     "float32_toward_zero",
-    "half_power_sum",
     "iter_chunks",
     "left_to_numpy",
     "max_abs",
     "multiply_by",
     "needs_rescue",
     "power_sum",
+    "root",
     "scaled_power_sum",
 ]
 
@@ -66,7 +58,9 @@ def chunk_size(arrays: Sequence[np.ndarray], buffers: int = 1) -> int:
 
 _FLOAT64 = np.dtype(np.float64)
 _FLOAT32 = np.dtype(np.float32)
+_FLOAT16 = np.dtype(np.float16)  # native byte order only: the kernels read its bits
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 # ---------------------------------------------------------------------------
@@ -107,26 +101,32 @@ class _Scratch:
         return self._buf[:n]
 
     def abs64(self, chunk: np.ndarray) -> np.ndarray:
+        """|chunk| in float64, in the buffer."""
         out = self.get(chunk.size)
         np.abs(chunk, out=out)  # converts to float64 on the way
         return out
 
     def as64(self, chunk: np.ndarray) -> np.ndarray:
+        """The chunk in float64: itself, or converted into the buffer (``get``'s growth written
+        out: this is the hot path of a list of small float32 arrays)."""
         if chunk.dtype == _FLOAT64:
             return chunk
-        out = self.get(chunk.size)
+        n = chunk.size
+        if self._buf.size < n:
+            self._buf = np.empty(min(max(n, 2 * self._buf.size), self._chunk), dtype=np.float64)
+        out = self._buf[:n]
         np.copyto(out, chunk, casting="safe")
         return out
 
 
 # ---------------------------------------------------------------------------
 # the three kinds of partial (the engine's backend for numpy arrays: count,
-# power_sum, max_abs, scaled_power_sum, half_power_sum, binned_digits)
+# power_sum, max_abs, scaled_power_sum, binned_digits)
 
 
 def count(arrays: Sequence[np.ndarray]) -> int:
     """Elements in the arrays."""
-    return sum([a.size for a in arrays])
+    return arrays[0].size if len(arrays) == 1 else sum([a.size for a in arrays])
 
 
 def binned_digits(binned: BinnedPowerSum, arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -144,7 +144,7 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
     rescue: the norm IS inf or NaN.
     """
     total = 0.0
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below (a dot warns too)
         rest = arrays
         if p == 2.0 and len(arrays) >= _kernels.MANY:  # many arrays: one compiled call for all
             total, rest = _compiled_sumsq(arrays)
@@ -160,6 +160,8 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
             scratch = _Scratch(chunk)
             for a in left:
                 total += _chunked_sum(a, p, scratch, chunk)
+    if _SAFE_LO <= total <= _SAFE_HI:  # the common case, without building the questions below
+        return total, False
     return total, needs_rescue(
         total,
         lambda: any(np.any(c) for a in arrays for c in iter_chunks(a)),
@@ -181,6 +183,19 @@ def needs_rescue(total: float, any_nonzero: Callable[[], bool], any_nonfinite: C
     if not math.isfinite(total) and any_nonfinite():
         return False  # the data holds inf or NaN
     return True
+
+
+def root(mant: float, exp: int, p: float) -> float:
+    """The norm from a sum of |x|**p given as mant * 2**(p*exp): (mant * 2**(p*exp)) ** (1/p),
+    without overflow in the middle."""
+    mant = float(mant)
+    if mant == 0.0 or not math.isfinite(mant):
+        return mant
+    try:
+        r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
+        return math.ldexp(r, exp)
+    except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
+        return math.inf
 
 
 def _compiled_sumsq(arrays: Sequence[np.ndarray]) -> tuple[float, Sequence[np.ndarray]]:
@@ -205,16 +220,19 @@ _SAFE_LO = 2.0**-900  # anything lost to underflow is below 2**-120 of this
 
 def _one_call_sum(a: np.ndarray, p: float) -> float | None:
     """sum x**2 in one call with no working buffer (BLAS dot on float64, the
-    compiled kernel on large float32), or None: the chunked route is needed."""
+    compiled kernels on large float32 and float16), or None: the chunked route is needed."""
     if p != 2.0 or not (a.flags.c_contiguous or a.flags.f_contiguous):
         return None
     if a.dtype == _FLOAT64:
         flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
-        return float(np.dot(flat, flat))
-    if a.dtype == _FLOAT32 and a.size >= _kernels.MIN_SIZE:
+        return float(flat.dot(flat))  # the method: np.dot's dispatch costs a Python call
+    if a.size >= _kernels.MIN_SIZE and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation
-            return float(kernels.sumsq_f32(a if a.ndim == 1 else a.ravel(order="K")))
+            flat = a if a.ndim == 1 else a.ravel(order="K")
+            if a.dtype == _FLOAT32:
+                return float(kernels.sumsq_f32(flat))
+            return float(kernels.sumsq_f16(flat.view(np.uint16)))
     return None
 
 
@@ -231,18 +249,6 @@ def _chunked_sum(a: np.ndarray, p: float, scratch: _Scratch, chunk: int) -> floa
             np.power(b, p, out=b)
             total += float(np.add.reduce(b))
     return total
-
-
-def half_power_sum(arrays: Sequence[np.ndarray], p: float) -> float:
-    """sum |x|**p accumulated in float16, as a half-precision framework would: a
-    deliberate bug of the gallery (overflows at 65504)."""
-    total = np.float16(0.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for a in arrays:
-            for c in iter_chunks(a):
-                h = np.abs(c).astype(np.float16)
-                total = np.float16(total + np.sum(h**p if p != 1.0 else h, dtype=np.float16))
-    return float(total)
 
 
 def max_abs(arrays: Sequence[np.ndarray]) -> tuple[float, bool]:
@@ -285,12 +291,15 @@ def multiply_by(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.nd
             for a, b in zip(arrays, out):
                 np.copyto(b, a)
         return
+    # beyond float32's normal range, a float32 factor loses bits (or is clamped): float32 then
+    # goes the float16 way, in float64, rounded once
+    in_float32 = factor == 0.0 or _FLOAT32_TINY <= factor <= _FLOAT32_MAX
     table = arrays.table if type(arrays) is _kernels.Checked and arrays.writable and out is arrays else None
-    kernels = _kernels.get() if table is not None and table.compiled else None
+    kernels = _kernels.get() if table is not None and table.compiled and in_float32 else None
     if kernels is None:
         f32 = None  # the float32 factor, computed once, where a float32 array asks for it
         for a, b in zip(arrays, out):
-            if f32 is None and a.dtype.itemsize == 4:
+            if f32 is None and a.dtype.itemsize == 4 and in_float32:
                 f32 = float32_toward_zero(factor)
             _multiply_one(a, factor, f32, b)
         return
@@ -307,13 +316,12 @@ def _multiply_one(src: np.ndarray, factor: float, f32: np.float32 | None, dst: n
     rounded toward zero to float32 (:func:`float32_toward_zero`; None for other dtypes):
     the factor's rounding never lifts a value, so each result is at most half an ulp
     above the product (the product's own rounding) and less than 2**-23 + 2**-24 below
-    it, relative. float16: computed in float64 and rounded once (an 11-bit factor would
-    be off by up to 5e-4).
+    it, relative. float16, and float32 where ``f32`` is None (a factor outside float32's normal
+    range): computed in float64 and rounded once (an 11-bit factor would be off by up to 5e-4).
     """
     if src.dtype.itemsize == 8:
         np.multiply(src, factor, out=dst)
-    elif src.dtype.itemsize == 4:
-        assert f32 is not None  # the caller computes it for float32 arrays
+    elif src.dtype.itemsize == 4 and f32 is not None:
         np.multiply(src, f32, out=dst)
     else:
         np.multiply(src, factor, out=dst, dtype=np.float64, casting="same_kind")

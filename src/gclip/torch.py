@@ -49,8 +49,6 @@ from . import (
     _torch_gradients,
     _torch_partials,
     _torch_replicas,
-    _validate,
-    call,
     clip,
     drivers,
     engine,
@@ -94,7 +92,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: call.Program) -> call.Done:
+    def run(self, program: engine.Program) -> tuple[float, float]:
         return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -180,7 +178,7 @@ def _mpi_world() -> Any:
 
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
-        _validate.refuse_lone_rank(
+        drivers.refuse_lone_rank(
             "comm=None: torch.distributed is not initialised and",
             "Call torch.distributed.init_process_group() first, or pass comm=",
         )
@@ -192,11 +190,12 @@ def _mpi_world() -> Any:
 
 
 def _run(
-    items: Any, max_norm: Any, backend: call.Backend, *, comm: Any, replicated: Any, **settings: Any
+    items: Any, max_norm: Any, backend: engine.Backend, *, comm: Any, replicated: Any, **settings: Any
 ) -> torch.Tensor:
-    """One call through the call layer (``gclip.call``), run over ``comm``: the global norm as
-    torch returns it, a 0-d tensor on the first gradient's device (in float64). Tensors on an
-    accelerator (and calls under torch.compile) take the sync-free path (``_torch_device``)."""
+    """One call of the engine (``gclip.engine``), run over ``comm``, the gradients scaled in place
+    unless ``max_norm`` is ``engine.NO_LIMIT``: the global norm as torch returns it, a 0-d tensor
+    on the first gradient's device (in float64). Tensors on an accelerator (and calls under
+    torch.compile) take the sync-free path (``_torch_device``)."""
     world = _world(comm)
     if isinstance(items, Iterable) and not isinstance(items, (torch.Tensor, list, tuple, str, bytes)):
         items = list(items)  # a generator: read once, here (anything else: the checks say what it is)
@@ -206,7 +205,7 @@ def _run(
         return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
     listed = items if isinstance(items, (list, tuple)) else [items]
-    if "steps" not in settings and _torch_device.eligible(
+    if _torch_device.eligible(
         world,
         listed,
         settings.get("norm_type", 2.0),
@@ -223,11 +222,23 @@ def _run(
             inplace=bool(settings.get("inplace", False)),
             norm_type=settings.get("norm_type", 2.0),
         )
+    args = engine.check(
+        items,
+        max_norm,
+        backend,
+        rank=world.rank,
+        size=world.size,
+        replicated=replicated,
+        counting=counting,
+        **settings,
+    )
     driver: Any = world  # (a lone compiled call always takes the device path)
-    done = call.run(items, max_norm, driver, backend, replicated=replicated, counting=counting, **settings)
-    device = done.arrays[0].device if done.arrays else "cpu"
+    norm, scale = driver.run(engine.program(args))
+    if max_norm is not engine.NO_LIMIT:
+        args.grads.scaled(scale, True)
+    device = args.arrays[0].device if args.arrays else "cpu"
     # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
-    return torch.full((), done.info.norm, dtype=torch.float64, device=device)
+    return torch.full((), norm, dtype=torch.float64, device=device)
 
 
 # ---------------------------------------------------------------------------
@@ -272,7 +283,7 @@ def get_total_norm(
     """
     return _run(
         tensors,
-        call.NO_LIMIT,
+        engine.NO_LIMIT,
         _torch_gradients.backend(False, None),
         comm=comm,
         replicated=replicated,
@@ -341,7 +352,7 @@ def clip_grad_norm_(
         The global norm before clipping: a float64 0-d tensor (a plain tensor, also for
         DTensor gradients) on the first gradient's device, the same value on every rank.
     """
-    limit = call.NO_LIMIT if _is_inf(max_norm) else max_norm
+    limit = engine.NO_LIMIT if _is_inf(max_norm) else max_norm
     found = _found_infs(scaler)
     if found:
         probe = torch.stack([f.to(found[0].device, torch.float64).reshape(()) for f in found]).sum()
@@ -390,24 +401,6 @@ def _found_infs(scaler: Any) -> list[torch.Tensor]:
             "before the clip, as torch's AMP recipe does"
         )
     return found
-
-
-@torch.no_grad()
-def clip_grad_norm_by(
-    steps: engine.Steps,
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    *,
-    foreach: bool | None = None,
-    replicated: Sequence[Any] | None = None,
-    comm: Any = None,
-    **settings: Any,
-) -> torch.Tensor:
-    """:func:`clip_grad_norm_` with the engine's ``steps`` (the hook: the gallery's bugs run here)."""
-    backend = _torch_gradients.backend(True, foreach)
-    return _run(
-        parameters, max_norm, backend, comm=comm, replicated=replicated, steps=steps, inplace=True, **settings
-    )
 
 
 # ---------------------------------------------------------------------------

@@ -54,3 +54,72 @@ def test_clipped_norm_never_exceeds_the_limit_exactly():
     norm = math.sqrt(math.fsum(v * v for v in values))
     assert got[0].total_norm == pytest.approx(norm, rel=1e-15)
     assert {r.scale for r in got} == {got[0].scale}
+
+
+# ---------------------------------------------------------------------------
+# how deep a default call goes: a newcomer follows it down in a few steps
+
+
+class _OneRank:
+    """A communicator of one rank (mpi4py's methods): the header comes back as sent."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def Allreduce(self, sendbuf, recvbuf, op=None) -> None:
+        recvbuf[...] = sendbuf
+
+    def allgather(self, item):
+        return [item]
+
+
+def gclip_depth(call) -> int:
+    """The deepest nest of gclip's own Python frames while ``call()`` runs (sys.setprofile)."""
+    import os
+    import sys
+
+    root = os.path.dirname(gclip.__file__) + os.sep
+    stack: list[bool] = []
+    depth = deepest = 0
+
+    def profile(frame, event, arg) -> None:
+        nonlocal depth, deepest
+        if event == "call":
+            mine = frame.f_code.co_filename.startswith(root)
+            stack.append(mine)
+            depth += mine
+            deepest = max(deepest, depth)
+        elif event == "return" and stack:
+            depth -= stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return deepest
+
+
+@pytest.mark.parametrize(
+    "grads",
+    [np.ones(1000), [np.ones(1000), np.ones(10)], [np.ones(100, np.float32), np.ones(10, np.float32)]],
+    ids=["one array", "a list", "float32"],
+)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_default_clip_is_at_most_6_gclip_frames_deep(grads, inplace):
+    comm = _OneRank()
+    gclip.clip_by_global_norm(grads, 1.0, comm=comm, inplace=inplace)  # the settings, checked once
+    depth = gclip_depth(lambda: gclip.clip_by_global_norm(grads, 0.5, comm=comm, inplace=inplace))
+    assert 3 <= depth <= 6, depth  # 3: the counter sees the API, its driver and the program
+
+
+def test_the_depth_counter_sees_a_deeper_call():
+    def nest(n: int) -> None:
+        if n:
+            nest(n - 1)
+
+    assert gclip_depth(lambda: nest(8)) == 0  # frames outside gclip are not counted
+    assert gclip_depth(lambda: gclip.clip_simulated([np.ones(2)] * 2, 1.0)) >= 4

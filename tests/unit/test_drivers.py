@@ -26,7 +26,7 @@ def test_simulated_ranks_give_what_ranks_in_lockstep_give(size, p):
     assert got == want
     if p == 2.0:  # and the norm is the global one: fsum of every rank's squares
         exact = math.sqrt(math.fsum(float(v) ** 2 for s in shards for v in s))
-        assert all(info.norm == pytest.approx(exact, rel=1e-14) for info in got)
+        assert all(norm == pytest.approx(exact, rel=1e-14) for norm, _ in got)
 
 
 def test_drive_answers_each_collective_with_the_functions_given():
@@ -41,9 +41,9 @@ def test_drive_answers_each_collective_with_the_functions_given():
         asked.append(("gather", item))
         return [item]
 
-    info = drivers.drive(programs(shards)[0], all_reduce, all_gather)
+    norm, _ = drivers.drive(programs(shards)[0], all_reduce, all_gather)
     assert asked == [("reduce", engine.HEADER_SIZE, engine.NormOp.SUM)]  # the header: the one collective
-    assert info.norm == pytest.approx(math.sqrt(math.fsum(float(v) ** 2 for v in shards[0])), rel=1e-14)
+    assert norm == pytest.approx(math.sqrt(math.fsum(float(v) ** 2 for v in shards[0])), rel=1e-14)
 
 
 def test_mpi_on_one_rank_is_the_simulated_rank():
@@ -51,7 +51,7 @@ def test_mpi_on_one_rank_is_the_simulated_rank():
 
     shards = _shards(1, seed=4)
     for p in (2.0, math.inf):
-        assert [drivers.run_mpi(programs(shards, p)[0], MPI.COMM_SELF)] == drivers.run_simulated(
+        assert [drivers.Mpi(MPI.COMM_SELF).run(programs(shards, p)[0])] == drivers.run_simulated(
             programs(shards, p)
         )
 

@@ -1,4 +1,4 @@
-"""gclip.engine: the norm program's collectives and its agreement, on simulated ranks.
+"""gclip.engine: one rank's checks, the norm program's collectives and its agreement, on simulated ranks.
 
 The ranks are driven in lockstep by the test's own small driver (sum or max of the
 ranks' vectors, a list for a gather), so each rank's outcome is seen, not only the
@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gclip import GclipError, GclipTypeError, GclipValueError, engine, partials
+from gclip import GclipError, GclipTypeError, GclipValueError, drivers, engine, partials, reader
 
 
 def lockstep(programs) -> tuple[list[Any], list[Any]]:
-    """Run the programs as ranks would: (each rank's NormInfo or exception, the collectives)."""
+    """Run the programs as ranks would: (each rank's outcome or exception, the collectives)."""
     size = len(programs)
     outcome: list[Any] = [None] * size
     requests: list[Any] = [next(p) for p in programs]
@@ -43,23 +43,24 @@ def lockstep(programs) -> tuple[list[Any], list[Any]]:
     return outcome, seen
 
 
-def spec(p: float = 2.0, reproducible: bool = False) -> engine.Spec:
-    return engine.Spec(engine.CORRECT, p, reproducible)
-
-
-def programs(shards, p: float = 2.0, reproducible: bool = False, backends=None, refused=None):
+def programs(shards, p: float = 2.0, reproducible: bool = False, backends=None, refused=None, limit=1.0):
     size = len(shards)
-    return [
-        engine.norm_program(
+    out = []
+    for r, s in enumerate(shards):
+        backend = engine.NUMPY if backends is None else engine.Backend(reader.read, backends[r])
+        args = engine.check(
             [np.asarray(s, dtype=np.float64)],
-            spec(p, reproducible),
+            limit,
+            backend,
             rank=r,
             size=size,
-            refused=None if refused is None else refused[r],
-            backend=partials if backends is None else backends[r],
+            norm_type=p,
+            reproducible=reproducible,
         )
-        for r, s in enumerate(shards)
-    ]
+        if refused is not None and refused[r] is not None:
+            args = args._replace(error=refused[r])
+        out.append(engine.program(args))
+    return out
 
 
 def exact_norm(values, p: int = 2) -> float:
@@ -77,14 +78,14 @@ def test_the_default_l2_norm_is_one_header_collective():
     outcome, seen = lockstep(programs(SHARDS))
     assert len(seen) == 1 and seen[0].data.size == engine.HEADER_SIZE
     want = math.sqrt(math.fsum(v * v for s in SHARDS for v in s))
-    assert [o.norm for o in outcome] == [want] * 3
-    assert [o.local_power for o in outcome] == [math.fsum(v * v for v in s) for s in SHARDS]
+    assert [norm for norm, _ in outcome] == [want] * 3
+    assert [scale for _, scale in outcome] == [1.0 / want] * 3
 
 
 def test_the_inf_norm_takes_one_max_after_the_header():
     outcome, seen = lockstep(programs(SHARDS, p=math.inf))
     assert [type(c).__name__ for c in seen] == ["Reduce", "Reduce"] and seen[1].op is engine.NormOp.MAX
-    assert {o.norm for o in outcome} == {8.0}
+    assert {norm for norm, _ in outcome} == {8.0}
 
 
 @pytest.mark.parametrize("p", [1.0, 2.0])
@@ -94,7 +95,7 @@ def test_reproducible_is_exact_and_the_same_bits_for_any_split(p):
     got = set()
     for split in ([values], [values[:2], values[2:]], [[v] for v in values]):
         outcome, _ = lockstep(programs(split, p=p, reproducible=True))
-        got |= {o.norm.hex() for o in outcome}
+        got |= {norm.hex() for norm, _ in outcome}
     assert len(got) == 1
     assert float.fromhex(got.pop()) == pytest.approx(want, rel=2.3e-16)
 
@@ -105,8 +106,8 @@ def test_the_rescue_takes_every_rank_along_and_is_exact(scale):
     outcome, seen = lockstep(programs(shards))
     assert len(seen) == 3  # the header, then the rescue's MAX and SUM
     want = exact_norm([v for s in shards for v in s])
-    assert len({o.norm for o in outcome}) == 1
-    assert outcome[0].norm == pytest.approx(want, rel=1e-15)
+    assert len({norm for norm, _ in outcome}) == 1
+    assert outcome[0][0] == pytest.approx(want, rel=1e-15)
 
 
 class Failing:
@@ -146,10 +147,14 @@ def test_an_error_before_the_header_is_raised_on_every_rank_with_its_class():
 
 
 def test_ranks_that_disagree_on_the_arguments_all_raise():
-    progs = [engine.norm_program([np.ones(2)], spec(p), rank=r, size=2) for r, p in enumerate((2.0, 1.0))]
+    progs = [
+        engine.program(engine.check([np.ones(2)], 1.0, rank=r, size=2, norm_type=p))
+        for r, p in enumerate((2.0, 1.0))
+    ]
     outcome, _ = lockstep(progs)
     assert all(isinstance(o, GclipValueError) and "disagree" in str(o) for o in outcome)
     assert len({str(o) for o in outcome}) == 1
+    assert "norm_type=2.0" in str(outcome[0]) and "norm_type=1.0" in str(outcome[0])
 
 
 def test_local_norm_is_right_where_the_plain_sum_is_not():
@@ -166,32 +171,71 @@ def test_local_norm_is_right_where_the_plain_sum_is_not():
             assert power == math.fsum(v * v for v in values)
 
 
-def test_the_hook_runs_a_replaced_step_in_place_of_the_engines_own():
-    assert all(
-        getattr(engine.CORRECT, step) is None
-        for step in ("local_partials", "in_header", "combine", "finish", "scale")
-    )
-    doubled = engine.Steps("doubled", finish=lambda norm, **_: 2.0 * norm)
-    progs = [
-        engine.norm_program([np.array(s)], engine.Spec(hook, 2.0, False), rank=r, size=2)
-        for hook in (engine.CORRECT, doubled)
-        for r, s in enumerate(([3.0], [4.0]))
-    ]
-    correct, _ = lockstep(progs[:2])
-    replaced, _ = lockstep(progs[2:])
-    assert [i.norm for i in correct] == [5.0, 5.0]
-    assert [i.norm for i in replaced] == [10.0, 10.0]  # the replaced finish, on every rank
-    mixed = [
-        engine.norm_program([np.ones(1)], engine.Spec(hook, 2.0, False), rank=r, size=2)
-        for r, hook in enumerate((engine.CORRECT, doubled))
-    ]
-    outcome, _ = lockstep(mixed)
-    assert all(isinstance(e, GclipError) for e in outcome)  # different steps: the fingerprints differ
-
-
 @pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5])
 def test_root_inverts_the_power_without_overflow(p):
-    assert engine.root(16.0, 0, p) == pytest.approx(16.0 ** (1 / p), rel=1e-15)
+    assert partials.root(16.0, 0, p) == pytest.approx(16.0 ** (1 / p), rel=1e-15)
     # 2**2000 as (1.0, 1000) for p=2: the root is 2**1000
-    assert engine.root(1.0, 1000, 2.0) == 2.0**1000
-    assert engine.root(0.0, 5, p) == 0.0 and math.isinf(engine.root(math.inf, 0, p))
+    assert partials.root(1.0, 1000, 2.0) == 2.0**1000
+    assert partials.root(0.0, 5, p) == 0.0 and math.isinf(partials.root(math.inf, 0, p))
+
+
+# ---------------------------------------------------------------------------
+# one rank's call: the checks, the norm, the factor
+
+
+def exact_clip(shards, limit):
+    """(norm, scale) of the shards' global L2 norm, from fractions: the oracle."""
+    power = sum(Fraction(float(v)) ** 2 for s in shards for v in np.ravel(s))
+    norm = math.sqrt(power)  # correctly rounded from the exact sum (< 2**53 here)
+    return norm, min(Fraction(1), Fraction(limit) / Fraction(norm))
+
+
+def test_the_program_checks_reduces_and_gives_the_factor_on_every_rank():
+    shards = [np.array([3.0, 4.0]), np.array([12.0])]
+    calls = [engine.check(s, 1.0, rank=r, size=2) for r, s in enumerate(shards)]
+    done, seen = lockstep([engine.program(args) for args in calls])
+    norm, scale = exact_clip(shards, 1.0)
+    assert len(seen) == 1  # the header is the one collective: the scale needs none
+    for (got_norm, got_scale), args, s in zip(done, calls, shards):
+        assert got_norm == norm == 13.0
+        assert got_scale == float(scale)  # the exact quotient, rounded once
+        out = args.grads.scaled(got_scale, False)  # new arrays, in the layout given (one array)
+        assert np.array_equal(out, s * got_scale) and out is not s
+
+
+def test_a_norm_alone_scales_nothing():
+    x = np.array([3.0, 4.0])
+    (done,), _ = lockstep([engine.program(engine.check(x, engine.NO_LIMIT, rank=0, size=1))])
+    assert done == (5.0, 1.0)
+    assert np.array_equal(x, [3.0, 4.0])
+
+
+def test_a_refused_argument_is_raised_on_every_rank_together():
+    shards = [np.ones(2), np.ones(2, dtype=np.int64)]  # rank 1's array is not a float array
+    calls = [engine.check(s, 1.0, rank=r, size=2) for r, s in enumerate(shards)]
+    assert calls[0].error is None and isinstance(calls[1].error, GclipTypeError)  # kept, not raised
+    done, _ = lockstep([engine.program(args) for args in calls])
+    assert all(isinstance(d, GclipTypeError) for d in done), done
+    assert len({str(d) for d in done}) == 1 and "rank 1" in str(done[0])
+
+
+def test_a_driver_runs_the_program_and_the_reader_scales_in_place():
+    given = [np.array([6.0, 8.0], dtype=np.float32), np.array([0.0])]
+    ops = []
+
+    def reduce(data, op):
+        ops.append(op)
+        return data.copy()
+
+    args = engine.check(given, 5.0, rank=0, size=1, inplace=True)
+    norm, scale = drivers.drive(engine.program(args), reduce, lambda item: [item])
+    assert ops == [engine.NormOp.SUM]  # the header alone
+    assert (norm, scale) == (10.0, 0.5)
+    assert args.grads.scaled(scale, True) is given  # in place: the very list given
+    assert np.array_equal(given[0], np.array([3.0, 4.0], dtype=np.float32))
+
+
+@pytest.mark.parametrize("bad", ["x", 3])
+def test_replicated_must_be_a_list(bad):
+    (done,), _ = lockstep([engine.program(engine.check([np.ones(2)], 1.0, rank=0, size=1, replicated=bad))])
+    assert isinstance(done, GclipTypeError) and "replicated must be a list" in str(done)

@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .. import _validate
+from .. import engine
 from ..errors import GclipError, exception_line
 from .mpirun import MpirunNotFound
 
@@ -39,6 +40,7 @@ __all__ = [
     "UsageError",
     "abort_job",
     "check_writable",
+    "closed_pipe",
     "color",
     "entry",
     "in_range",
@@ -116,7 +118,7 @@ def parse_max_norm(text: str, flag: str = "--max-norm") -> float:
         shown = text if len(text) <= 40 else text[:40] + "..."
         raise UsageError(f"{flag} must be a number, got {shown!a}") from None
     try:
-        return _validate.max_norm(value, flag)
+        return engine.max_norm(value, flag)
     except GclipError as exc:
         raise UsageError(str(exc)) from None
 
@@ -203,6 +205,9 @@ def entry(
         code = 1
         try:
             code = main(argv) or 0
+            sys.stdout.flush()
+        except BrokenPipeError as exc:  # stdout's reader went away (``| head``): stop quietly
+            code = closed_pipe() if stdout_closed() else on_fault(prog, exc)
         except (UsageError, GclipError) as exc:
             if rank_size()[0] == 0:
                 print(f"{prog}: error: {exception_line(exc, with_type=False)}", file=sys.stderr, flush=True)
@@ -211,10 +216,39 @@ def entry(
             code = exc.code if isinstance(exc.code, int) else 0
         except BaseException as exc:  # noqa: BLE001 - Ctrl-C or a fault: on_fault decides
             code = on_fault(prog, exc)
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            code = closed_pipe()
         sys.exit(code)
 
     return run
+
+
+CLOSED_PIPE = 141  # what a shell reports for a tool ended by SIGPIPE (128 + 13)
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe nobody reads any more (another pipe of the tool's own breaking
+    is a fault, not a reader's choice)."""
+    if not hasattr(select, "poll"):  # Windows: no poll; take it to be stdout's
+        return True
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
+def closed_pipe() -> int:
+    """Stdout's reader has gone: what is still buffered goes nowhere (Python would otherwise
+    print a second BrokenPipeError as it exits), and in a job of several ranks every rank ends
+    now (the others could be waiting in a collective for this one)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if rank_size()[1] > 1 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(CLOSED_PIPE)
+    return CLOSED_PIPE
 
 
 def in_range(kind: type, lo: float, hi: float, what: str, *, above: bool = False) -> Callable[[str], Any]:

@@ -11,6 +11,7 @@ from typing import Any
 from .._lab.cli import rank_size
 from .collectives import collective_counts
 from .lists import bench_list
+from .machine import describe_machine
 from .memory import check_memory, first_call_memory, measure_memory
 from .ops import bench_case, torch_setup, torch_teardown
 from .options import PROG, THREAD_VARS, threads
@@ -51,6 +52,8 @@ def case_rows(n: int, dtype: str, itemsize: int, active: bool, got: dict[str, An
             "gb_per_s": nbytes / t["median_s"] / 1e9,
             "vs_floor": t["median_s"] / floor,
         }
+        if "cpu_median_s" in t and times["floor"].get("cpu_median_s"):  # the busiest rank's CPU time
+            row["cpu_vs_floor"] = t["cpu_median_s"] / times["floor"]["cpu_median_s"]
         if impl == "gclip-repro":
             row["vs_default"] = t["median_s"] / default
             if "cpu_median_s" in t and "cpu_median_s" in times["gclip"]:  # the busiest rank's CPU time
@@ -131,6 +134,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "caches": "cold: L1/L2 evicted before each call" if args.cold else "warm: after an untimed call",
         "delta": DELTA,
         "environment": _environment(np),
+        "machine": describe_machine(),
         "torch": torch_ctx.torch.__version__ if torch_ctx is not None else None,
         "torch_note": torch_note,
         "allreduce_s": ar,

@@ -11,6 +11,7 @@ from typing import Any
 
 from .._lab import mpirun
 from .._lab.cli import UsageError
+from .machine import machine_line
 from .options import PINNED, PROG, threads
 from .run import SCHEMA
 from .table import columns, find_row, fmt_n, fmt_t
@@ -55,7 +56,14 @@ def run_sweep(args: Any) -> dict[str, Any]:
                 runs.append(json.load(f))
             print(f"{PROG}: sweep: {ranks} rank(s) done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     cpus = os.cpu_count() or 1
-    return {"schema": SCHEMA + "/sweep", "cpus": cpus, "runs": runs, "sweep": sweep_rows(runs)}
+    machine = runs[0].get("machine") if runs else None  # every run's: the same host
+    return {
+        "schema": SCHEMA + "/sweep",
+        "cpus": cpus,
+        "machine": machine,
+        "runs": runs,
+        "sweep": sweep_rows(runs),
+    }
 
 
 def sweep_rows(runs: Sequence[dict]) -> list[dict]:
@@ -104,7 +112,7 @@ def format_sweep(result: dict[str, Any]) -> str:
     ar = {r["ranks"]: r["allreduce_s"] for r in rows}
     note = ", ".join(f"R={k}: {fmt_t(ar[k])}" for k in ranks)
     over = [k for k in ranks if k > result["cpus"]]
-    text = [columns(lines), "", f"bare header-sized Allreduce: {note}"]
+    text = [machine_line(result.get("machine")), columns(lines), "", f"bare header-sized Allreduce: {note}"]
     if over:
         text.append(
             f"*: R={','.join(map(str, over))} oversubscribes the {result['cpus']} cores: ranks take turns on"

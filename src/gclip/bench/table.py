@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .machine import machine_line
+
 __all__ = [
     "columns",
     "find_row",
@@ -57,11 +59,17 @@ def columns(lines: list[list[str]]) -> str:
     return "\n".join(text)
 
 
+def _cpu(result: dict[str, Any]) -> str:
+    """The CPU, for the headings of the tables below the first (whose line names the whole machine)."""
+    machine = result.get("machine")
+    return f"on {machine['cpu']['model']}, as above" if machine else "machine not recorded"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human table: one line per (dtype, size, clip state)."""
     rows = result["rows"]
     has_torch = any(r["impl"] == "torch" for r in rows)
-    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "x bare"]
+    head = ["dtype", "n/rank", "clip", "floor", "GB/s", "gclip", "GB/s", "x floor", "(cpu)", "x bare"]
     head += ["repro", "x dflt"]
     if has_torch:
         head += ["torch", "gclip/torch", "torch-f64acc"]
@@ -75,7 +83,8 @@ def format_table(result: dict[str, Any]) -> str:
         p = find_row(rows, n, dtype, active, "gclip-repro")
         line = [dtype, fmt_n(n), "active" if active else "off"]
         line += [fmt_t(f["median_s"]), f"{f['gb_per_s']:.2f}", fmt_t(g["median_s"]), f"{g['gb_per_s']:.2f}"]
-        line += [f"{g['vs_floor']:.2f}", f"{g['vs_bare']:.2f}"]
+        cpu = f"{g['cpu_vs_floor']:.2f}" if "cpu_vs_floor" in g else "-"
+        line += [f"{g['vs_floor']:.2f}", cpu, f"{g['vs_bare']:.2f}"]
         line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"]
         if has_torch:
             t = find_row(rows, n, dtype, active, "torch")
@@ -86,12 +95,14 @@ def format_table(result: dict[str, Any]) -> str:
                 fmt_t(t64["median_s"]) if t64 else "-",
             ]
         lines.append(line)
-    out = [columns(lines)]
+    out = [machine_line(result.get("machine")), columns(lines)]
     out.append("")
     out.append(
         f"{result['ranks']} ranks, {result['threads']} thread(s) per rank; {result['timing']};"
         f" caches {result['caches']}.\n"
-        "GB/s: per rank, n*itemsize bytes when off (one read), 3x when active (read, read, write)."
+        "GB/s: per rank, n*itemsize bytes when off (one read), 3x when active (read, read, write).\n"
+        "(cpu): the same ratio in the busiest rank's thread CPU time, which another process holding the core"
+        " does not lengthen."
     )
     out.append(f"bare header-sized Allreduce: {fmt_t(result['allreduce_s'])}; {result['torch_note']}")
     load = result["load_average"]
@@ -111,10 +122,12 @@ def format_table(result: dict[str, Any]) -> str:
             f" / {fmt_bytes(m['shard_bytes']):>9s} = {m['ratio'] * 100:.3g}%   rss +{rss}"
         )
     if result.get("lists"):
-        out.append("lists of arrays, per rank (time per clip, slowest rank, median):")
+        out.append(f"lists of arrays, per rank (time per clip, slowest rank, median; {_cpu(result)}):")
         out.append(format_lists(result["lists"]))
     if result.get("torch_lists"):
-        out.append("gclip.torch on torch parameters, per rank (gloo group; slowest rank, median):")
+        out.append(
+            f"gclip.torch on torch parameters, per rank (gloo group; slowest rank, median; {_cpu(result)}):"
+        )
         out.append(format_torch_lists(result["torch_lists"]))
     first = result.get("first_call")
     if first:
@@ -125,7 +138,10 @@ def format_table(result: dict[str, Any]) -> str:
             f" {fmt_bytes(first['reproducible'])}"
         )
     if result.get("steps"):
-        out.append("what clipping adds to a fused AdamW step, per rank (gloo group; slowest rank, median):")
+        out.append(
+            "what clipping adds to a fused AdamW step, per rank"
+            f" (gloo group; slowest rank, median; {_cpu(result)}):"
+        )
         out.append(format_steps(result["steps"]))
     misses = sum(r.get("misses", 0) for r in [*rows, *result.get("lists", [])])
     if misses:

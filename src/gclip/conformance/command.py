@@ -17,14 +17,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import math
-import os
 import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _validate
-from .._lab.cli import ArgParser, UsageError, entry, in_range, internal_error
+from .. import drivers
+from .._lab.cli import ArgParser, UsageError, closed_pipe, entry, in_range, internal_error
 from .._lab.jsonout import dumps
 from . import dist_report
 from .families import DTYPES, Family
@@ -113,7 +112,7 @@ def _refuse_launcher(args: Any, argv: Sequence[str] | None) -> None:
     """Under mpirun every rank would judge and print: the judge is one process (it launches its
     own MPI job when it needs one). The advice is the user's own command without mpirun, with
     ``--ranks N`` (N: mpirun's size) added only for a function that takes a communicator."""
-    launched = _validate.launched_size()
+    launched = drivers.launched_size()
     if launched is None:
         return
     n, why = launched
@@ -235,8 +234,8 @@ def _main(argv: Sequence[str] | None) -> int:
         raise
     try:
         print(text, flush=True)
-    except BrokenPipeError:  # e.g. piped into `head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # e.g. piped into `head`: the reader has all it wanted; the verdict stands
+        closed_pipe()
     return 0 if passed else 1
 
 

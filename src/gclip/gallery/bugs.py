@@ -1,10 +1,9 @@
 """The gallery of bugs: how a global-norm clip goes wrong, each with where it was seen.
 
-Each bug is the correct clip (local -> combine -> finish -> scale) with some
-steps replaced through the engine's hook (``Strategy.steps``, a
-``gclip.engine.Steps``). A bug
-departs from the correct one in the fields that make one idea (typed, so a
-typo is an error, not a new behaviour):
+Each bug is the correct clip (local -> combine -> finish -> scale) departing from it
+in the fields that make one idea (typed, so a typo is an error, not a new behaviour);
+``gclip.gallery.program`` runs it as the lab's own program over the core's drivers
+and local sums:
 
 ``scope``            whose sums combine: every rank's (``ALL``), this rank's only
                      (``SELF``: the seed's per-rank clip), or rank 0's (``ROOT``).
@@ -38,15 +37,14 @@ wrong moment) are here too.
 from __future__ import annotations
 
 import enum
-import functools
 import math
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .. import engine, policy
+from .. import policy
 from ..engine import NormOp
 from ..errors import GclipValueError
 from .usage_bugs import USAGE_BUG_NAMES, USAGE_BUGS, UsageBug
@@ -70,7 +68,7 @@ __all__ = [
     "card",
     "exact_norm",
     "get",
-    "steps_for",
+    "unknown",
 ]
 
 TORCH_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ and Megatron-LM: max_norm / (norm + 1e-6)
@@ -97,7 +95,7 @@ def exact_norm(norm: float, **_: object) -> float:
     return norm
 
 
-@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap key for the clip's settings cache
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap cache key
 class Strategy:
     name: str
     summary: str
@@ -130,58 +128,16 @@ class Strategy:
     def correct(self) -> bool:
         return self.name == "global"
 
-    @functools.cached_property  # one Steps per strategy: the clip's settings cache keys on it
-    def steps(self) -> engine.Steps:
-        """This bug installed in the engine's hook: the steps where it departs from the correct clip."""
-        return engine.Steps(
-            self.name,
-            per_rank=self.scope is Scope.SELF,
-            local_partials=self._local,
-            in_header=self._in_header,
-            combine=self._combine,
-            finish=None if self.finish_norm is exact_norm and self.total_dtype == "float64" else self._finish,
-            scale=self.scale,
-        )
-
-    # -- the engine's steps, replaced where this bug departs from the correct clip
-
-    def _local(
-        self, arrays: Sequence[Any], spec: engine.Spec, owned: Sequence[bool] | None, backend: Any
-    ) -> engine.Local:
-        if self.count_replicated or self.scope is Scope.SELF:
-            owned = None  # every copy counted
-        counted = engine.counted(arrays, owned)
-        if self.accumulate is Accumulate.FLOAT16 and not math.isinf(spec.norm_type):  # even when reproducible
-            p = spec.norm_type
-            power = backend.half_power_sum(counted, p)
-            return engine.Local(
-                counted, backend.count(counted), power, norm=engine.root(power, 0, p), backend=backend
-            )
-        return engine.local_partials(counted, spec, backend)
-
-    def _shares(self, rank: int) -> bool:
+    def enters(self, rank: int) -> bool:
         """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
         return self.scope is Scope.ALL or (self.scope is Scope.ROOT and rank == 0)
 
-    def _in_header(self, rank: int) -> bool:
-        return self.share is Share.POWER and self._shares(rank)
+    @property
+    def finishes(self) -> bool:
+        """Does this bug change the combined norm before the scale?"""
+        return self.finish_norm is not exact_norm or self.total_dtype != "float64"
 
-    def _combine(self, local: engine.Local, spec: engine.Spec, rank: int, total: list[float]) -> Generator:
-        """Only every rank's sums of |x|**p combine as the correct clip does (with the
-        header's SUM the whole answer on the default path)."""
-        if self.scope is Scope.SELF:  # no other rank is asked
-            return _answered((local.norm, (local.power, 0)))
-        if self.share is Share.NORM:  # the norm-sharing bugs: local norms combined
-            return self._norms_combined(local, rank)
-        return engine.combine(local, spec, total, self._in_header(rank))
-
-    def _norms_combined(self, local: engine.Local, rank: int) -> Generator:
-        nan = math.isnan(local.norm)  # as a flag: MPI's MAX may drop a NaN
-        mine = [0.0 if nan else local.norm, float(nan)] if self._shares(rank) else [0.0, 0.0]
-        got = yield engine.Reduce(np.array(mine, dtype=np.float64), self.norm_op)
-        return (math.nan if got[1] > 0 else float(got[0])), None
-
-    def _finish(
+    def finish(
         self, norm: float, *, p: float, count: int, ranks: int, power: tuple[float, int] | None = None
     ) -> float:
         if self.total_dtype != "float64" and math.isfinite(norm) and math.isfinite(p):
@@ -202,12 +158,6 @@ class Strategy:
 
     def as_dict(self) -> dict[str, Any]:
         return card(self, norm_type=self.norm_type)
-
-
-def _answered(value: Any) -> Generator:
-    """A combine that asks no collective: its answer at once."""
-    return value
-    yield  # pragma: no cover - makes this a generator
 
 
 def card(bug: Any, **more: Any) -> dict[str, Any]:
@@ -565,22 +515,9 @@ def get(name: str) -> Strategy:
     try:
         return STRATEGIES[name]
     except (KeyError, TypeError):
-        raise GclipValueError(_unknown(name)) from None
+        raise GclipValueError(unknown(name)) from None
 
 
-def _unknown(name: Any) -> str:
+def unknown(name: Any) -> str:
+    """The error message for a mode that is not in the gallery."""
     return f"unknown mode {name!r}; choose from {', '.join(STRATEGIES)}"
-
-
-def steps_for(name: Any) -> engine.Steps:
-    """The steps to run for ``name``: its strategy's, or steps whose local step refuses (before
-    the header), so that an unknown name is an error raised on every rank together."""
-    try:
-        return STRATEGIES[name].steps
-    except (KeyError, TypeError):
-        message = _unknown(name)
-
-    def refuse(arrays: Sequence[Any], spec: engine.Spec, owned: Any, backend: Any) -> engine.Local:
-        raise GclipValueError(message)
-
-    return engine.Steps("unknown", local_partials=refuse)

@@ -21,7 +21,7 @@ from .._lab.cli import (
 )
 from ..layout import Mesh
 from .figure import plot
-from .layout import train_layout
+from .layout import train_layout, train_layout_simulated
 from .loop import Config, train, train_simulated
 from .report import json_report, text_report
 
@@ -83,7 +83,11 @@ def _parser() -> ArgParser:
         action="store_true",
         help="fold the clip into the update: global_norm, clip_scale, then one pass lr * scale * gradient",
     )
-    p.add_argument("--layout", metavar="AXES", help="lay the MLP out over pp, dp and tp, e.g. pp=2,dp=2,tp=2")
+    p.add_argument(
+        "--layout",
+        metavar="AXES",
+        help="lay the MLP out over pp, dp and tp, e.g. pp=2,dp=2,tp=2 (on real ranks, or on --ranks R)",
+    )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="save loss curves (needs matplotlib)")
     return p
@@ -100,10 +104,6 @@ def _check_plot_path(path: str) -> None:
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.ranks is not None:
-        if args.layout:
-            raise UsageError(
-                "--layout needs real ranks: run it under mpirun (e.g. mpirun -n 8), without --ranks"
-            )
         real = rank_size()[1]
         if real > 1:
             raise UsageError(
@@ -153,9 +153,15 @@ def _config(args: argparse.Namespace, simulated: bool = False) -> Config:
 def _simulated(args: argparse.Namespace) -> int:
     """``--ranks R``: the same training on R simulated ranks, in this one process."""
     config = _config(args, simulated=True)
-    runs = [train_simulated(config, args.buggy or "global", args.ranks)]
-    if args.buggy:
-        runs.append(train_simulated(config, "global", args.ranks))
+    if args.layout:
+        shape = Mesh.parse((0, args.ranks), args.layout).shape  # checked against --ranks here
+        runs = [train_layout_simulated(config, args.buggy or "global", shape)]
+        if args.buggy:
+            runs.append(train_layout_simulated(config, "global", shape))
+    else:
+        runs = [train_simulated(config, args.buggy or "global", args.ranks)]
+        if args.buggy:
+            runs.append(train_simulated(config, "global", args.ranks))
     _report(args, runs, config, args.ranks)
     return 0
 
