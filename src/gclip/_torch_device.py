@@ -42,7 +42,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import engine
+from . import engine, layout
+from .errors import GclipValueError
 
 __all__ = ["FORCE", "check", "clip", "eligible"]
 
@@ -105,17 +106,11 @@ def clip(
     """One call on the device: the global norm as a float64 0-d tensor, the gradients scaled."""
     if not torch.compiler.is_compiling():
         check()  # a failure of the last call is raised here, on every rank
-    checked = engine.check(
-        items,
-        max_norm,
-        backend,
-        rank=world.rank,
-        size=world.size,
-        replicated=replicated,
-        counting=counting,
-        norm_type=norm_type,
-        inplace=inplace,
-    )
+    options = {"rank": world.rank, "size": world.size, "replicated": replicated, "counting": counting}
+    if torch.compiler.is_compiling():
+        checked = _traced_check(items, max_norm, backend, norm_type, inplace, **options)
+    else:
+        checked = engine.check(items, max_norm, backend, norm_type=norm_type, inplace=inplace, **options)
     arrays = list(checked.arrays)
     owned = checked.counting.owned
     counted = arrays if owned is None else [a for a, own in zip(arrays, owned) if own]
@@ -163,6 +158,44 @@ def _crc_halves(description: str) -> tuple[float, float]:
     cannot be traced); tests/test_torch_device.py checks the two agree."""
     crc = zlib.crc32(description.encode())
     return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
+
+
+class _Spec(NamedTuple):
+    """The checked settings of a compiled call (``engine.Spec``'s fields that this path reads)."""
+
+    norm_type: float
+    text: str  # ``engine.Spec.describe()``
+
+    def describe(self) -> str:
+        return self.text
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _settings(norm_type: Any, max_norm: Any) -> tuple[bool, float, float, str]:
+    """(refused?, p, limit (NaN: none), the description): ``engine.check``'s settings, checked
+    once at trace time (its cached Spec cannot be traced: a lock guards its fingerprint)."""
+    got = engine.check([], max_norm, norm_type=norm_type, rank=0, size=1)
+    limit = math.nan if got.limit is None else float(got.limit)
+    return got.error is not None, float(got.spec.norm_type), limit, got.spec.describe()
+
+
+def _traced_check(
+    items: Any, max_norm: Any, backend: engine.Backend, norm_type: Any, inplace: bool, **options: Any
+) -> engine.Arguments:
+    """``engine.check`` as torch.compile traces it: the settings are constants of the graph (a
+    refused setting is the header's error flag); an argument refused while reading raises at
+    trace time, on the rank that traces it."""
+    refused, p, limit, text = _settings(norm_type, max_norm)
+    spec: Any = _Spec(p, text)
+    error: BaseException | None = GclipValueError("the settings are refused") if refused else None
+    grads: Any = None
+    arrays: Any = ()
+    counting = layout.EVERY_ARRAY
+    if error is None:
+        grads, arrays, entries = backend.read(items, options["replicated"], inplace)
+        counting = options["counting"](grads, entries, arrays)
+    lim = None if math.isnan(limit) else limit
+    return engine.Arguments(grads, arrays, spec, lim, counting, error, options["size"], False, backend)
 
 
 _CONSTANTS: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -251,8 +284,6 @@ def _raise_agreed(world: Any, mine: tuple[Any, str, Any], explain: Any) -> None:
         mismatch = all(err is None for err, _, _ in every)
         raise engine.agreed_error([(err, args) for err, args, _ in every], mismatch=mismatch)
     told = explain or (lambda _: "ranks disagree on which arrays they hold")
-    from .errors import GclipValueError
-
     raise GclipValueError(told([summary for _, _, summary in every]))
 
 
