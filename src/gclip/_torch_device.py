@@ -22,8 +22,7 @@ same error (``engine.agreed_error``; the reports gathered then, a collective on 
 path only): at once when the header lives on the CPU (reading a CPU tensor costs no sync);
 else the flag is copied to pinned host memory without blocking, and read at the next call
 of gclip.torch (the copy is long done by then) or by :func:`check`. Under
-``torch.compile`` a failure is the NaN norm and the untouched gradients; :func:`check`
-after the compiled step raises it.
+``torch.compile`` a failure is the NaN norm and the untouched gradients, not raised.
 
 Used for finite p, ``reproducible=False`` and ``error_if_nonfinite=False`` (which reads
 the norm, as torch's does): tensors on an accelerator, and under ``torch.compile``. CPU

@@ -246,9 +246,8 @@ def _run(
 
 
 def check() -> None:
-    """Raise, on every rank together, a failure of the sync-free path not raised yet (it is
-    raised at the latest by the next call; call this after a compiled step). See
-    ``gclip._torch_device``."""
+    """Raise, on every rank together, a failure of the sync-free path not raised yet (on an
+    accelerator it is raised at the latest by the next call). See ``gclip._torch_device``."""
     _torch_device.check()
 
 
