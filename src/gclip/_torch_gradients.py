@@ -261,11 +261,11 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
 def _has_memory(g: torch.Tensor) -> bool:
     """Can its memory be compared? Not while compiling (data_ptr cannot be traced), nor for
     tensors that hold none (FakeTensorMode): those are told apart by identity only."""
-    if torch.compiler.is_compiling():
-        return False
+    if type(g) is torch.Tensor or type(g) is torch.nn.Parameter:
+        return not torch.compiler.is_compiling()  # a plain tensor: the common case, at once
     from torch._subclasses.fake_tensor import is_fake
 
-    return not is_fake(g)
+    return not torch.compiler.is_compiling() and not is_fake(g)
 
 
 def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:
