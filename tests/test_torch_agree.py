@@ -91,3 +91,11 @@ def test_max_norm_inf_returns_the_norm_and_scales_nothing_and_meta_is_one_line(t
         assert r["unchanged"] and r["torch_unchanged"]
         assert close(r["torch"], oracle, 1e-6)
         assert r["meta"].startswith(AGREED + "parameters[0].grad is on the meta device")
+
+
+def test_expert_parallel_meshes_in_one_call_count_each_expert_once(tmp_path):
+    every = reports("ep", tmp_path)
+    oracle = every[0]["oracle"]
+    for r in every:
+        assert close(r["norm"], oracle), r["norm"]
+        assert "must have the same mesh" in r["torch"], r["torch"]  # torch 2.13: refused

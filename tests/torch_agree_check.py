@@ -16,6 +16,9 @@ CASE:
   the norms' gradients are ``Partial(sum)``. The clip, torch's clip, and the count of
   all_reduce calls gclip made (one per Partial group, none for a layout without Partial).
 - ``inf_meta``: ``max_norm=inf`` (the norm, nothing scaled; torch's alike), meta gradients.
+- ``ep``: expert parallel's meshes in one call: dense gradients sharded over a ("dp",) mesh of 4,
+  experts on an ("edp", "ep") mesh of 2 x 2 built apart (another root), replicated along edp and
+  sharded along ep; torch's clip on the same list, and gclip's.
 
 The oracle: math.fsum over the squares of every full gradient (``full_tensor()``), each
 tensor once. Each process writes OUTDIR/rank<R>.json.
@@ -178,13 +181,29 @@ def inf_meta(rank: int) -> dict:
     return report
 
 
+def ep(rank: int) -> dict:
+    dense_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    g = torch.Generator().manual_seed(7)
+    dense = [distribute_tensor(torch.randn(8, 3, generator=g), dense_mesh, [Shard(0)]) for _ in range(3)]
+    experts = [
+        distribute_tensor(torch.randn(4, 5, generator=g), expert_mesh, [Replicate(), Shard(0)])
+        for _ in range(2)
+    ]
+    grads = dense + experts
+    report: dict = {"oracle": gathered_norm([full(t) for t in grads], rank == 0)}
+    report["torch"] = error_of(lambda: torch.nn.utils.get_total_norm(grads))[:200]
+    report["norm"] = outcome(lambda: gt.get_total_norm(grads))
+    return report
+
+
 def main(case: str, outdir: str) -> None:
     watchdog()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     report = {
         "rank": rank,
-        **{"stale": stale, "mismatch": mismatch, "tp_sp": tp_sp, "inf_meta": inf_meta}[case](rank),
+        **{"stale": stale, "mismatch": mismatch, "tp_sp": tp_sp, "inf_meta": inf_meta, "ep": ep}[case](rank),
     }
     dist.barrier()
     dist.destroy_process_group()
