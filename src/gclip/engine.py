@@ -340,6 +340,7 @@ class Sums(NamedTuple):
     power: float  # sum |x|**p
     rescue: bool  # some rank's plain sum over- or underflowed
     nonfinite: bool  # some rank's own part is inf or NaN
+    extra: Sequence[float] = ()  # the sums of ``header``'s ``extra`` (per-group limits: each group's)
 
 
 def header(
@@ -351,10 +352,12 @@ def header(
     power: float,
     rescue: bool,
     nonfinite: bool,
+    extra: Sequence[float] = (),
 ) -> Generator[Reduce | Gather, Any, Sums]:
     """The header all-reduce of one rank's part: returns the sums where every rank agrees;
     where some rank failed, or the ranks disagree on ``spec`` or on what their groups
-    hold, every rank raises the same error instead."""
+    hold, every rank raises the same error instead. ``extra`` rides along, summed (every
+    rank gives as many: their number is in ``spec``)."""
     h1, h2 = spec.fingerprint
     mine = np.array(  # floats only: numpy builds it fastest
         [
@@ -368,13 +371,14 @@ def header(
             1.0 if rescue else 0.0,
             1.0 if nonfinite else 0.0,
             *(counting.ring if error is None else (0.0, 0.0)),
+            *extra,
         ]
     )
     total = (yield Reduce(mine)).tolist()  # Python floats: cheaper to read than numpy scalars
     mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
     if total[_ERROR] or mismatch or total[_LAYOUT1] != 0.0 or total[_LAYOUT2] != 0.0:
         yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
-    return Sums(total[_COUNT], total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0)
+    return Sums(total[_COUNT], total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0, total[HEADER_SIZE:])
 
 
 def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tuple[float, bool, float]:

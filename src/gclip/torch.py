@@ -32,8 +32,8 @@ See docs/torch.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -58,11 +58,15 @@ from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
+    "AGC",
     "FLOAT_DTYPES",
+    "AutoClip",
+    "ZClip",
     "check",
     "check_replicas",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "clip_groups_",
     "explain",
     "get_total_norm",
 ]
@@ -80,6 +84,9 @@ class _Mpi(drivers.Mpi):
         return layout.Group(layout._members(entry, self.comm, index), entry.Get_rank())
 
 
+_T = TypeVar("_T")
+
+
 class _TorchGroup:
     """A torch.distributed process group: the same program, its header all-reduced by torch."""
 
@@ -92,7 +99,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: engine.Program) -> tuple[float, float]:
+    def run(self, program: Generator[engine.Reduce | engine.Gather, Any, _T]) -> _T:
         return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -449,3 +456,9 @@ def check_replicas(
 from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
 
 clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)
+
+
+from .limits import _torch as _limits  # noqa: E402 - the limits' torch front ends, handed what they use
+
+_limits.use(_limits.Functions(get_total_norm, clip_grads_with_norm_, _world))
+AGC, AutoClip, ZClip, clip_groups_ = _limits.AGC, _limits.AutoClip, _limits.ZClip, _limits.clip_groups_
