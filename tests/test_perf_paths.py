@@ -16,7 +16,7 @@ import pytest
 
 import gclip
 from conftest import OneRankComm
-from gclip import _validate, partials
+from gclip import partials, reader
 from gclip.errors import GclipValueError
 
 COMM = OneRankComm()
@@ -272,7 +272,7 @@ def test_demo_never_imports_numba():
 
 def test_validate_fast_path_keeps_the_list_and_container(kernels):
     arrays = tuple(np.ones(4) for _ in range(20))
-    got = _validate.grads(arrays, inplace=True)
+    got = reader.grads(arrays, inplace=True)
     assert got.container is tuple and got.slots is None and got.as_given() is arrays
     res = gclip.clip_by_global_norm(arrays, 1.0, comm=COMM)
     assert isinstance(res.grads, tuple) and len(res.grads) == 20

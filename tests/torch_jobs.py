@@ -131,6 +131,15 @@ def assert_finished(
     assert written and (verdicts or stdout_verdict) and teardown, f"exit {job.returncode}\n{output}"
 
 
+def exited(job: subprocess.CompletedProcess, status: int) -> bool:
+    """The job ended with ``status``, or every rank had done its work and the one failure is
+    gloo's teardown abort (see :func:`assert_finished`): for a launcher whose status is a verdict."""
+    if job.returncode == status:
+        return True
+    codes = [int(c) for c in _FAILED_RANK.findall(job.stderr)]
+    return TEARDOWN_ABORT in job.stderr and -6 in codes and set(codes) <= {-6, -15, status}
+
+
 def teardown(dist: Any) -> None:
     """End the job's torch.distributed groups together: no rank closes its gloo pairs while a
     peer still works on them."""

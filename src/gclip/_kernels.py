@@ -82,7 +82,7 @@ class Table(NamedTuple):
     def overlaps(self) -> bool:
         """Do any two compiled entries share memory (the same array twice included)? A yes or no
         for the whole list at once, vectorised: where it says yes, the checks read the list item
-        by item and ``_validate.same_memory`` says which arrays, and whether they are repeats."""
+        by item and ``reader.same_memory`` says which arrays, and whether they are repeats."""
         return bool(_overlaps(self))
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _dtensor, _torch_partials, _validate, engine
+from . import _dtensor, _torch_partials, engine, reader
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["FLOAT_DTYPES", "Gradients", "backend", "gradients"]
@@ -143,7 +143,7 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
             repeat.update(_same_memory(picked, members))
     for i, j in repeat.items():
         (where_j, _, entry_j), (where_i, _, entry_i) = picked[j], picked[i]
-        if not _validate._same_entry(entry_j, entry_i):
+        if not reader._same_entry(entry_j, entry_i):
             raise GclipValueError(
                 f"{where_j} and {where_i} are the same gradient but replicated gives them different "
                 f"entries ({entry_j!r}, {entry_i!r})"
@@ -164,7 +164,7 @@ def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]
             and a.dtype == b.dtype
         )
 
-    return _validate.same_memory(
+    return reader.same_memory(
         members,
         span=lambda i: _span(tensors[i]),
         same_view=same_view,

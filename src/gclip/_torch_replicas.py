@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _validate, engine
+from . import _dtensor, engine
 from .errors import GclipTypeError, GclipValueError
 from .replicas import Row, _Record, _rows, diverged
 
@@ -68,7 +68,7 @@ def _gathered(world: Any, collect: Any, names: Any, p: float) -> list[list[_Reco
 
 def explain(world: Any, collect: Any, names: Any, norm_type: Any) -> list[Row]:
     """gclip.torch.explain's rows (see there)."""
-    p = _validate.norm_type(norm_type)
+    p = engine.norm_type(norm_type)
     return _rows(_gathered(world, collect, names, p), p)
 
 

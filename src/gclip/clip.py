@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from . import _validate, drivers, engine, layout, policy
+from . import drivers, engine, layout, policy, reader
 from .comm import Comm
 from .errors import GclipValueError
 
@@ -52,10 +52,6 @@ def _clipped(args: engine.Arguments, norm: float, scale: float, inplace: bool) -
     return ClipResult(args.grads.scaled(scale, inplace), norm, scale, math.isfinite(norm))
 
 
-# ---------------------------------------------------------------------------
-# the API: each call the engine's program (``gclip.engine``), run by its driver
-
-
 def global_norm(
     grads: Any,
     *,
@@ -80,7 +76,7 @@ def global_norm(
             identical copies; a copy counts once (see ``gclip.layout``).
         error_if_nonfinite: raise NonFiniteNormError on every rank if the norm is inf or NaN.
     """
-    mpi = drivers.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(drivers.communicator(comm))
     args = engine.check(
         grads,
         engine.NO_LIMIT,
@@ -124,7 +120,7 @@ def clip_by_global_norm(
     Returns:
         ClipResult with ``grads`` in the layout given, ``total_norm``, ``scale``, ...
     """
-    mpi = drivers.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(drivers.communicator(comm))
     args = engine.check(
         grads,
         max_norm,
@@ -180,8 +176,8 @@ def clip_simulated(
 def clip_scale(total_norm: float, max_norm: float) -> float:
     """The scale a clip applies: min(1, max_norm / total_norm); 1 for a zero norm;
     1 for an inf or NaN norm (the gradient is left untouched: skip the step)."""
-    limit = _validate.max_norm(max_norm)
-    norm = _validate._scalar(total_norm, "total_norm")
+    limit = engine.max_norm(max_norm)
+    norm = engine._scalar(total_norm, "total_norm")
     if norm < 0:
         raise GclipValueError(f"total_norm must be >= 0, got {norm!r}")
     return policy.scale(norm, limit)
@@ -228,4 +224,4 @@ def apply_scale(grads: Any, scale: float, *, inplace: bool = False) -> Any:
     given twice is scaled once.
     Returns the layout given (a tuple stays a tuple).
     """
-    return _validate.grads(grads, inplace).scaled(_validate.scale(scale), inplace)
+    return reader.grads(grads, inplace).scaled(engine.scale(scale), inplace)

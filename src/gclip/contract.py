@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _validate
+from . import engine
 from .clip import clip_simulated
 from .errors import GclipTypeError, GclipValueError
 
@@ -52,7 +52,7 @@ def clip_shards(shards: Sequence[Sequence[float]], limit: float) -> list[list[fl
     """Scale every shard by min(1, limit / global L2 norm), rounded to 12 decimals.
 
     The library's own engine runs on one simulated rank per shard."""
-    limit = _validate.max_norm(limit, "limit")
+    limit = engine.max_norm(limit, "limit")
     values = validate_shards(shards)
     if not values:
         return []

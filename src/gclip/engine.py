@@ -1,20 +1,16 @@
 """The clip as one program over ranks: the header, the combine, the rescue, the agreed errors.
 
-:func:`check` reads one rank's arguments (the scalar settings, the arrays through the
-front end's :class:`Backend`, the layout as a :class:`~gclip.layout.Counting`) and keeps
-whatever it refuses. :func:`program` is then the norm, written once as a generator that
-yields the collectives it needs (:class:`Reduce`, :class:`Gather`) and receives their
-results; a driver (``gclip.drivers``: MPI, simulated ranks; ``gclip.torch``'s
-torch.distributed) runs it where the ranks are. It returns the norm and the factor of
-the scale rule (``policy``); the front end applies the factor to the arrays it read.
+:func:`check` reads one rank's arguments (the settings; the arrays, by the front end's
+:class:`Backend`; the layout, as a ``layout.Counting``) and keeps what it refuses.
+:func:`program` is the norm, a generator that yields the collectives it needs
+(:class:`Reduce`, :class:`Gather`) to a driver (``gclip.drivers``) and returns the norm
+and the factor of the scale rule (``policy``); the front end applies the factor.
 
-Every program starts with the same fixed-size SUM all-reduce, the *header*
-(:func:`header`): this rank's error flag, a fingerprint of its arguments, its element
-count and (for finite p) its whole sum of |x|**p. So in the default L2 path the header
-IS the one collective, and whatever goes wrong on one rank (bad input, different
-arguments) is known to every rank at the same moment: all raise the same error
-(:func:`agreed_error`), none is left waiting. Only the inf-norm, the reproducible mode and
-the overflow rescue need a second collective, after the header has agreed on the settings.
+Every program starts with the same small SUM all-reduce, the *header* (:func:`header`):
+this rank's error flag, a fingerprint of its arguments and its sum of |x|**p. In the
+default L2 path it is the one collective, and whatever goes wrong on one rank is known
+to every rank at once: all raise the same error (:func:`agreed_error`), none is left
+waiting. The inf-norm, the reproducible mode and the overflow rescue add one collective.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import numbers
 import zlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -29,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from . import _validate, layout, partials, policy
+from . import layout, partials, policy, reader
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError, one_line
 from .layout import EVERY_ARRAY, Counting
 from .partials import root
@@ -54,9 +51,12 @@ __all__ = [
     "error_report",
     "header",
     "local_norm",
+    "max_norm",
     "nonfinite_error",
+    "norm_type",
     "program",
     "rescued",
+    "scale",
 ]
 
 
@@ -88,7 +88,7 @@ NO_LIMIT: Any = object()  # a norm alone: no max_norm to check, nothing to scale
 
 
 class Grads(Protocol):
-    """The arrays as read (numpy: ``_validate.Grads``; torch: ``_torch_gradients.Gradients``):
+    """The arrays as read (numpy: ``reader.Grads``; torch: ``_torch_gradients.Gradients``):
     they scale themselves in the layout they were given."""
 
     def scaled(self, factor: float, inplace: bool) -> Any: ...
@@ -102,7 +102,7 @@ class Backend(NamedTuple):
     partials: Any  # the local sums where the arrays live (``partials``, ``_torch_partials``)
 
 
-NUMPY = Backend(_validate.read, partials)  # numpy arrays (``gclip.clip``)
+NUMPY = Backend(reader.read, partials)  # numpy arrays (``gclip.clip``)
 
 
 @dataclass(frozen=True)
@@ -155,14 +155,11 @@ def check(
     error_if_nonfinite: bool = False,
     inplace: bool = False,
 ) -> Arguments:
-    """Check every argument of one rank's call; an error is kept, to be raised on every rank
-    together by the program. ``max_norm`` is :data:`NO_LIMIT` for a norm alone.
-
-    ``counting(grads, entries, arrays)`` replaces ``layout.counting`` where a front end reads
-    more than ``replicated=`` (gclip.torch: DTensor placements). The fingerprint the ranks
-    compare holds the checked values (1 and 1.0 are the same limit); what each group of
-    ranks holds in common is checked by the layout's ring sums (see ``layout``).
-    """
+    """Check every argument of one rank's call, keeping an error for the program to raise on
+    every rank together. ``max_norm``: :data:`NO_LIMIT` for a norm alone. ``counting(grads,
+    entries, arrays)`` replaces ``layout.counting`` where a front end reads more than
+    ``replicated=`` (gclip.torch: DTensor placements). The fingerprint holds the checked
+    values (1 and 1.0 are the same limit)."""
     flag = bool(error_if_nonfinite)
     spec: Spec = _FALLBACK_SPEC  # kept if a setting is refused
     limit: float | None = None
@@ -185,11 +182,11 @@ def check(
 
 
 def _check_settings(
-    norm_type: Any, max_norm: Any, reproducible: bool, error_if_nonfinite: bool
+    given_p: Any, given_limit: Any, reproducible: bool, error_if_nonfinite: bool
 ) -> tuple[Spec, float | None]:
     """The checked scalar arguments as (Spec, limit); the limit is None for a norm alone."""
-    p = _validate.norm_type(norm_type)
-    limit = _validate.max_norm(max_norm) if max_norm is not NO_LIMIT else None
+    p = norm_type(given_p)
+    limit = max_norm(given_limit) if given_limit is not NO_LIMIT else None
     if reproducible and math.isfinite(p) and p not in (1.0, 2.0):
         raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
     agreed = (("max_norm", math.nan if limit is None else limit), ("error_if_nonfinite", error_if_nonfinite))
@@ -201,6 +198,57 @@ def _check_settings(
 _PLAIN = frozenset((bool, int, float, str))  # immutable, hashed by value: safe cache keys
 # typed: True, 1 and 1.0 are equal keys, but True is refused where 1 is not
 _cached_settings = functools.lru_cache(maxsize=64, typed=True)(_check_settings)
+
+
+# ---------------------------------------------------------------------------
+# the scalar settings: each a clean value or a one-line error
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _scalar(value: Any, name: str) -> float:
+    """A real number, or an array or tensor holding exactly one (numpy, torch), as a float."""
+    if not _real(value) and getattr(value, "ndim", None) is not None and hasattr(value, "item"):
+        count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if count != 1:
+            raise GclipTypeError(f"{name} must be a number, got a {type(value).__name__} of {count} values")
+        value = value.item()  # an array or tensor of one element (as torch's clip takes): its number
+    if not _real(value):
+        raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise GclipValueError(f"{name} must be finite, got an integer beyond float") from None
+
+
+def max_norm(value: Any, name: str = "max_norm") -> float:
+    """A finite, non-negative real number, or a one-line error."""
+    limit = _scalar(value, name)
+    if not math.isfinite(limit) or limit < 0:
+        raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
+    return limit + 0.0  # -0.0 becomes 0.0: else the scale is -0.0 and flips the sign of every value
+
+
+def scale(value: Any) -> float:
+    """A scale to multiply by: finite and >= 0 (a negative scale flips the gradient)."""
+    s = _scalar(value, "scale")
+    if not math.isfinite(s) or s < 0:
+        raise GclipValueError(f"scale must be finite and >= 0, got {s!r}")
+    return s + 0.0  # -0.0 becomes 0.0: multiplying by -0.0 would flip the sign of zeros
+
+
+def norm_type(value: Any) -> float:
+    """p > 0, or inf (also written 'inf')."""
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if not _real(value):
+        raise GclipTypeError(f"norm_type must be a number or 'inf', got {type(value).__name__}")
+    p = float(value)
+    if math.isnan(p) or p <= 0:
+        raise GclipValueError(f"norm_type must be > 0 or inf, got {p!r}")
+    return p
 
 
 def program(args: Arguments) -> Program:

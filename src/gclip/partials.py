@@ -1,22 +1,14 @@
-"""Local reductions of numpy arrays: what one rank computes from its own arrays.
+"""The sums of numpy arrays: what one rank computes from its own arrays, and the factor applied.
 
-The engine's backend for numpy (``gclip._torch_partials`` is torch's, with the
-same functions): numpy, and the compiled kernels of ``_kernels`` (numba) where
-they are available and the arrays are many or large. Nothing here talks to
-MPI, so the same code runs on real ranks and on the simulated ranks of the
-judge and the unit tests (see ``engine``).
+The engine's backend for numpy (``gclip._torch_partials`` has the same functions for
+torch), with the compiled kernels of ``_kernels`` where the arrays are many or large.
+No MPI here: real and simulated ranks run the same code.
 
-- :func:`power_sum`: sum of |x|**p accumulated in float64 in one read (one BLAS
-  dot for float64 and p=2). It says when it cannot be trusted (overflow, or
-  underflow of tiny values: :func:`needs_rescue`, for every backend); then the
-  engine takes the two-pass scaled route,
-  :func:`max_abs` and :func:`scaled_power_sum`, as LAPACK's dnrm2 would.
-- :func:`max_abs`: the inf-norm's local part.
-- :func:`multiply_by`: the clip's factor, applied to each array in its own dtype
-  (:func:`float32_toward_zero`: the factor float32 values are multiplied by).
-- :class:`BinnedPowerSum`: the reproducible mode. Values are cut into digits on
-  a fixed grid of bins (ReproBLAS-style); digit counts are integers, so ranks
-  combine them exactly and the result has the same bits for any layout.
+- :func:`power_sum`: sum |x|**p in float64, in one read, and whether it needs the
+  rescue (:func:`needs_rescue`): the two-pass :func:`max_abs`, :func:`scaled_power_sum`.
+- :func:`multiply_by`: the factor, applied to each array in its own dtype.
+- :class:`BinnedPowerSum`: the reproducible mode's integer digit counts (ReproBLAS-style),
+  which ranks add exactly, so the norm has the same bits for any layout.
 """
 
 from __future__ import annotations
@@ -203,13 +195,6 @@ def root(mant: float, exp: int, p: float) -> float:
         r = math.sqrt(mant) if p == 2.0 else mant if p == 1.0 else mant ** (1.0 / p)
         return math.ldexp(r, exp)
     except OverflowError:  # the norm is beyond the largest float (tiny p can do that)
-        return math.inf
-
-
-def _ldexp(mant: float, exp: int) -> float:
-    try:
-        return math.ldexp(mant, exp)
-    except OverflowError:
         return math.inf
 
 

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _validate, engine, partials
+from . import drivers, engine, partials, reader
 from .comm import Comm
 from .errors import GclipValueError
 from .layout import _holding, is_flag, is_shard, no_copy_here, ranges
@@ -60,7 +60,7 @@ class _Record(NamedTuple):
 def _records(
     grads: Any, replicated: Any, names: Any, rank: int, size: int, comm: Any, p: float
 ) -> list[_Record]:
-    given = _validate.grads(grads, inplace=False)
+    given = reader.grads(grads, inplace=False)
     entries = (
         given.per_array(list(replicated), "replicated")
         if replicated is not None
@@ -161,11 +161,11 @@ def explain(
     the one rank that counts it, and its share of the global norm**p. A
     diagnostic (it gathers every rank's list: not for the training loop).
     """
-    comm = _validate.communicator(comm)
+    comm = drivers.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     records, error, p = [], None, 2.0
     try:
-        p = _validate.norm_type(norm_type)
+        p = engine.norm_type(norm_type)
         records = _records(grads, replicated, names, rank, size, comm, p)
     except Exception as exc:  # noqa: BLE001 - agreed below, so no rank waits
         error = exc
@@ -182,22 +182,10 @@ def explain_simulated(
     norm_type: Any = 2.0,
 ) -> list[Row]:
     """:func:`explain` over simulated ranks (``replicated[r]`` and ``names[r]`` per rank)."""
-
-    p = _validate.norm_type(norm_type)
-    size = len(ranks)
-    per_rank = [
-        _records(
-            g,
-            None if replicated is None else replicated[r],
-            None if names is None else names[r],
-            r,
-            size,
-            None,
-            p,
-        )
-        for r, g in enumerate(ranks)
-    ]
-    return _rows(per_rank, p)
+    p, size = engine.norm_type(norm_type), len(ranks)
+    entries: Sequence[Any] = [None] * size if replicated is None else replicated
+    labels: Sequence[Any] = [None] * size if names is None else names
+    return _rows([_records(g, entries[r], labels[r], r, size, None, p) for r, g in enumerate(ranks)], p)
 
 
 def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> None:
@@ -219,7 +207,7 @@ def check_replicas(
     one-line GclipValueError naming the tensor and the ranks that diverge,
     e.g. after replicas drifted apart under a clip that was not global.
     """
-    comm = _validate.communicator(comm)
+    comm = drivers.communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     records, error = [], None
     try:

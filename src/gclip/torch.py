@@ -47,7 +47,6 @@ from . import (
     _torch_gradients,
     _torch_partials,
     _torch_replicas,
-    _validate,
     clip,
     drivers,
     engine,
@@ -156,7 +155,7 @@ def _mpi_world() -> Any:
 
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
-        _validate.refuse_lone_rank(
+        drivers.refuse_lone_rank(
             "comm=None: torch.distributed is not initialised and",
             "Call torch.distributed.init_process_group() first, or pass comm=",
         )

@@ -41,6 +41,6 @@ class OneRank:
 
 comm: Comm = OneRank()
 program = engine.program(engine.check([a], 1.0, rank=0, size=1))
-assert_type(drivers.run_mpi(program, comm), tuple[float, float])
+assert_type(drivers.Mpi(comm).run(program), tuple[float, float])
 assert_type(gclip.global_norm([a], comm=comm), float)
 assert_type(gclip.replicas.explain([a], comm=comm), list[gclip.replicas.Row])

@@ -51,7 +51,7 @@ def test_mpi_on_one_rank_is_the_simulated_rank():
 
     shards = _shards(1, seed=4)
     for p in (2.0, math.inf):
-        assert [drivers.run_mpi(programs(shards, p)[0], MPI.COMM_SELF)] == drivers.run_simulated(
+        assert [drivers.Mpi(MPI.COMM_SELF).run(programs(shards, p)[0])] == drivers.run_simulated(
             programs(shards, p)
         )
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gclip import GclipError, GclipTypeError, GclipValueError, _validate, drivers, engine, partials
+from gclip import GclipError, GclipTypeError, GclipValueError, drivers, engine, partials, reader
 
 
 def lockstep(programs) -> tuple[list[Any], list[Any]]:
@@ -47,7 +47,7 @@ def programs(shards, p: float = 2.0, reproducible: bool = False, backends=None, 
     size = len(shards)
     out = []
     for r, s in enumerate(shards):
-        backend = engine.NUMPY if backends is None else engine.Backend(_validate.read, backends[r])
+        backend = engine.NUMPY if backends is None else engine.Backend(reader.read, backends[r])
         args = engine.check(
             [np.asarray(s, dtype=np.float64)],
             limit,

@@ -120,7 +120,7 @@ def test_scale_in_place_by_one_touches_nothing_and_a_copy_is_exact():
 def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
     """The compiled path (>= MANY arrays, through the checks' table) and numpy's, with a float16
     array and a strided one left to numpy among them: each value as _multiply_one gives it alone."""
-    from gclip import _kernels, _validate
+    from gclip import _kernels, reader
 
     monkeypatch.setenv("GCLIP_KERNELS", kernels)
     _kernels.get.cache_clear()
@@ -134,7 +134,7 @@ def test_many_arrays_scale_in_place_as_one_array_would(kernels, monkeypatch):
             b = a.copy()
             partials.multiply_by([b], 1 / 3, [b])  # one array: never the compiled path
             alone.append(b)
-        given = _validate.grads(many, inplace=True)
+        given = reader.grads(many, inplace=True)
         assert (type(given.arrays) is _kernels.Checked) == (kernels == "1")
         given.scaled(1 / 3, inplace=True)
         assert all(a.tobytes() == b.tobytes() for a, b in zip(many, alone))

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .. import _validate
+from .. import engine
 from ..errors import GclipError, exception_line
 from .mpirun import MpirunNotFound
 
@@ -118,7 +118,7 @@ def parse_max_norm(text: str, flag: str = "--max-norm") -> float:
         shown = text if len(text) <= 40 else text[:40] + "..."
         raise UsageError(f"{flag} must be a number, got {shown!a}") from None
     try:
-        return _validate.max_norm(value, flag)
+        return engine.max_norm(value, flag)
     except GclipError as exc:
         raise UsageError(str(exc)) from None
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _validate
+from .. import drivers
 from .._lab.cli import ArgParser, UsageError, closed_pipe, entry, in_range, internal_error
 from .._lab.jsonout import dumps
 from . import dist_report
@@ -112,7 +112,7 @@ def _refuse_launcher(args: Any, argv: Sequence[str] | None) -> None:
     """Under mpirun every rank would judge and print: the judge is one process (it launches its
     own MPI job when it needs one). The advice is the user's own command without mpirun, with
     ``--ranks N`` (N: mpirun's size) added only for a function that takes a communicator."""
-    launched = _validate.launched_size()
+    launched = drivers.launched_size()
     if launched is None:
         return
     n, why = launched

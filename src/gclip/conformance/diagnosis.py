@@ -110,8 +110,8 @@ def diagnose(
     torch) before and after the clip; ``replicated``: as for
     ``gclip.clip_by_global_norm``, if some arrays are copies.
     """
-    from .._validate import communicator
-    from .._validate import max_norm as checked_limit
+    from ..drivers import communicator
+    from ..engine import max_norm as checked_limit
 
     comm = communicator(comm)
     limit = checked_limit(max_norm)

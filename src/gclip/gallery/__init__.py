@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _validate, drivers, engine, layout
+from .. import drivers, engine, layout
 from . import bugs
 from .bugs import *  # noqa: F403 - the gallery's names, as bugs.__all__ lists them
 from .program import Result, program
@@ -27,7 +27,7 @@ __all__ = [*bugs.__all__, "Result", "clip_by_global_norm", "clip_simulated", "gl
 
 def global_norm(grads: Any, *, mode: str = "global", comm: Any = None, **settings: Any) -> float:
     """:func:`gclip.global_norm` as bug ``mode`` computes it (``"global"``: the correct one)."""
-    mpi = drivers.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(drivers.communicator(comm))
     args = engine.check(grads, engine.NO_LIMIT, rank=mpi.rank, size=mpi.size, comm=mpi.comm, **settings)
     return mpi.run(program(mode, args, mpi.rank)).norm
 
@@ -42,7 +42,7 @@ def clip_by_global_norm(
     **settings: Any,
 ) -> Result:
     """:func:`gclip.clip_by_global_norm` as bug ``mode`` clips."""
-    mpi = drivers.Mpi(_validate.communicator(comm))
+    mpi = drivers.Mpi(drivers.communicator(comm))
     args = engine.check(
         grads, max_norm, rank=mpi.rank, size=mpi.size, comm=mpi.comm, inplace=inplace, **settings
     )

@@ -9,6 +9,9 @@
   before and after its clip, and says which scale each rank applied, whether
   they agree, the norm that implies, and the gallery bug it matches; it grades
   the step as the command grades a case (pass, near miss, fail).
+- :func:`audit` (torch) watches the real steps of a block of your own code, as
+  ``python -m gclip.audit`` watches a script: the gradients backward left and
+  those the optimizer received, graded per step (docs/frameworks.md).
 
 See docs/judge.md for a test file to copy.
 """
@@ -21,7 +24,7 @@ from typing import Any
 
 from ..conformance.diagnosis import Diagnosis, diagnose
 
-__all__ = ["ONE_RANK", "Diagnosis", "assert_conforms", "diagnose"]
+__all__ = ["ONE_RANK", "Diagnosis", "assert_conforms", "audit", "diagnose"]
 
 ONE_RANK = (
     "gclip.testing.assert_conforms on 1 rank: a per-rank clip is the global clip there, so it would pass; "
@@ -60,10 +63,10 @@ def assert_conforms(
     gallery bug ``fn`` reproduces when it is one. On one rank it warns
     (``UserWarning``): a per-rank clip cannot be told from the global one there.
     """
-    from .._validate import communicator
     from ..conformance.families import DTYPES, Family
     from ..conformance.inprocess import conforms
     from ..conformance.target import form_error
+    from ..drivers import communicator
 
     comm = communicator(comm)
     if comm.Get_size() == 1:
@@ -82,3 +85,18 @@ def assert_conforms(
     verdict, message = conforms(fn, comm, count=random, seed=seed, timeout=float(timeout), family=family)
     if not verdict.passed:
         raise AssertionError(message)
+
+
+def audit(
+    *, max_norm: float | None = None, optimizers: Any = None, plain: str = "auto", check: bool = True
+) -> Any:
+    """A context manager that audits every optimizer step inside it (torch; collective).
+
+    ``with gclip.testing.audit(max_norm=1.0) as a: ...`` runs the block with the hooks
+    of ``python -m gclip.audit``; ``a.reports`` holds one ``gclip.audit.StepReport`` per
+    step. With ``check=True`` (default) it raises AssertionError, the same on every rank,
+    unless a step was audited and every one passed. See :func:`gclip.audit.context.audit`.
+    """
+    from ..audit.context import audit as audit_block
+
+    return audit_block(max_norm=max_norm, optimizers=optimizers, plain=plain, check=check)

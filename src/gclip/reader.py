@@ -1,19 +1,14 @@
-"""Argument checks shared by the public API: each one a one-line error or a clean value.
+"""The reader: this rank's numpy arrays, as given, checked, each distinct array once.
 
-Nothing here talks to MPI. The API calls these on every rank, keeps what they
-raise, and lets the engine agree on it (see ``errors``), so a bad argument on
-one rank is the same error on every rank.
-
-:func:`read` is how the engine (``engine.check``) reads numpy arrays: a
-:class:`Grads`, which gives the clip's result back in the layout given
-(:meth:`Grads.scaled`: the factor applied by the numpy backend, ``partials``).
+:func:`read` is how the engine (``engine.check``) reads numpy arrays, each refusal a
+one-line error that the engine raises on every rank together. It gives a :class:`Grads`,
+which gives the clip's result back in the layout given (:meth:`Grads.scaled`: the factor
+applied by the numpy backend, ``partials``). Nothing here talks to MPI.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
-import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -21,71 +16,19 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _kernels, partials
-from .errors import GclipError, GclipTypeError, GclipValueError
+from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
     "FLOAT_DTYPES",
-    "LAUNCHER_SIZE_VARS",
     "Grads",
-    "communicator",
     "entries_of",
     "grads",
-    "launched_size",
-    "max_norm",
-    "norm_type",
     "read",
-    "scale",
+    "same_memory",
 ]
 
 FLOAT_DTYPES = frozenset(np.dtype(t) for t in ("<f2", ">f2", "<f4", ">f4", "<f8", ">f8"))
 _NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
-
-
-def _real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _scalar(value: Any, name: str) -> float:
-    """A real number, or an array or tensor holding exactly one (numpy, torch), as a float."""
-    if not _real(value) and getattr(value, "ndim", None) is not None and hasattr(value, "item"):
-        count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
-        if count != 1:
-            raise GclipTypeError(f"{name} must be a number, got a {type(value).__name__} of {count} values")
-        value = value.item()  # an array or tensor of one element (as torch's clip takes): its number
-    if not _real(value):
-        raise GclipTypeError(f"{name} must be a number, got {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise GclipValueError(f"{name} must be finite, got an integer beyond float") from None
-
-
-def max_norm(value: Any, name: str = "max_norm") -> float:
-    """A finite, non-negative real number, or a one-line error."""
-    limit = _scalar(value, name)
-    if not math.isfinite(limit) or limit < 0:
-        raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
-    return limit + 0.0  # -0.0 becomes 0.0: else the scale is -0.0 and flips the sign of every value
-
-
-def scale(value: Any) -> float:
-    """A scale to multiply by: finite and >= 0 (a negative scale flips the gradient)."""
-    s = _scalar(value, "scale")
-    if not math.isfinite(s) or s < 0:
-        raise GclipValueError(f"scale must be finite and >= 0, got {s!r}")
-    return s + 0.0  # -0.0 becomes 0.0: multiplying by -0.0 would flip the sign of zeros
-
-
-def norm_type(value: Any) -> float:
-    """p > 0, or inf (also written 'inf')."""
-    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
-        return math.inf
-    if not _real(value):
-        raise GclipTypeError(f"norm_type must be a number or 'inf', got {type(value).__name__}")
-    p = float(value)
-    if math.isnan(p) or p <= 0:
-        raise GclipValueError(f"norm_type must be > 0 or inf, got {p!r}")
-    return p
 
 
 # ---------------------------------------------------------------------------
@@ -405,67 +348,3 @@ def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
         and a.strides == b.strides
         and a.dtype == b.dtype
     )
-
-
-# ---------------------------------------------------------------------------
-# the communicator: None means MPI's COMM_WORLD, unless this process is one of several
-
-
-def communicator(comm: Any) -> Any:
-    """The communicator to clip over, or a one-line error (raised alike on every rank)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and isinstance(comm, mpi.Comm):  # the usual case, checked first
-        if comm.Get_size() == 1 and comm == mpi.COMM_WORLD:  # COMM_WORLD spelled out: the same trap
-            refuse_lone_rank("comm=MPI.COMM_WORLD:")
-        return comm
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        if comm.Get_size() == 1:
-            refuse_lone_rank("comm=None:")
-        return comm
-    if not (hasattr(comm, "Get_rank") and hasattr(comm, "Allreduce")):
-        hint = ""
-        if "torch" in type(comm).__module__:
-            hint = "; for a torch.distributed group use gclip.torch.clip_grad_norm_(..., comm=group)"
-        raise GclipTypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}{hint}")
-    return comm  # an object with mpi4py's methods (a test's fake), never COMM_WORLD
-
-
-# launchers that say how many processes they started; MPI seeing one means it was not told
-LAUNCHER_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS")
-
-
-def launched_size() -> tuple[int, str] | None:
-    """(processes, who says so) when this process was started as one of several, else None."""
-    for var in LAUNCHER_SIZE_VARS:
-        try:
-            n = int(os.environ.get(var, "1"))
-        except ValueError:
-            continue
-        if n > 1:
-            return n, f"{var}={n}"
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_world_size(), f"torch.distributed world size {dist.get_world_size()}"
-    return None
-
-
-def refuse_lone_rank(given: str, fix: str = "") -> None:
-    """Raise where MPI sees one rank but the process was started as one of several:
-    clipping alone there is the very bug gclip prevents. ``given`` says what led here."""
-    launched = launched_size()
-    if launched is not None:
-        n, why = launched
-        raise GclipError(
-            f"{given} MPI sees 1 rank, but this process is one of {n} ({why}); clipping here "
-            f"would use this process's own norm. {fix or _LONE_RANK_FIX}"
-        )
-
-
-_LONE_RANK_FIX = (
-    "Start the job with mpirun, pass the communicator of the ranks that share the gradient "
-    "(MPI.COMM_SELF if each process really clips alone), or use gclip.torch.clip_grad_norm_ "
-    "(it takes the torch.distributed group)"
-)

@@ -1,0 +1,112 @@
+"""The real frameworks through gclip.audit, on 4 CPU ranks (gloo): each row of docs/frameworks.md.
+
+Each framework is the pinned release of the ``frameworks`` extra (pyproject.toml); without
+it these tests skip, naming the missing package. A row runs a script of tests/audit_scripts/
+unmodified under ``torchrun -m gclip.audit --json`` and checks the audit's grade and
+fingerprint on every step, or, where the framework refuses or crashes, its one error line
+(on every rank). The audit's own numbers are checked against an oracle outside it in
+tests/test_audit.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytest.importorskip("torch", reason="gclip.audit needs PyTorch (pip install 'gclip[torch]')")
+
+from torch_jobs import ROOT, exited, job_env, run_job, torchrun_cmd
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = ROOT / "tests" / "audit_scripts"
+RANKS = 4
+EXTRA = "not installed: the frameworks extra brings it (pip install '.[frameworks]')"
+
+# (framework module, script, its arguments, what the audit must say):
+# ("grade", fingerprint) on every step, or ("error", a line every rank raised)
+ROWS = {
+    "accelerate-ddp": ("accelerate", "fw_accelerate.py", ["--layout", "ddp"], ("pass", None)),
+    "accelerate-fsdp-tp": ("accelerate", "fw_accelerate.py", ["--layout", "fsdp-tp"], ("pass", None)),
+    "accelerate-tp-gclip": (
+        "accelerate",
+        "fw_accelerate.py",
+        ["--layout", "tp", "--clip", "gclip"],
+        ("pass", None),
+    ),
+    "lightning-ddp": ("lightning", "fw_lightning.py", ["--strategy", "ddp"], ("pass", None)),
+    "lightning-fsdp": (
+        "lightning",
+        "fw_lightning.py",
+        ["--strategy", "fsdp"],
+        (
+            "error",
+            "ValueError: The strategy `fsdp` requires a GPU accelerator, but received `accelerator='cpu'`",
+        ),
+    ),
+    "lightning-fsdp2": ("lightning", "fw_lightning.py", ["--strategy", "model-parallel"], ("pass", None)),
+    "lightning-fsdp2-tp": (
+        "lightning",
+        "fw_lightning.py",
+        ["--strategy", "model-parallel-tp"],
+        ("error", "All operands in aten.stack.default must have the same mesh"),
+    ),
+    "lightning-fsdp2-tp-gclip": (
+        "lightning",
+        "fw_lightning.py",
+        ["--strategy", "model-parallel-tp", "--clip", "gclip"],
+        ("pass", None),
+    ),
+    "transformers-ddp": ("transformers", "fw_transformers.py", ["{tmp}"], ("near miss", "epsilon")),
+    "transformers-ddp-gclip": (
+        "transformers",
+        "fw_transformers.py",
+        ["{tmp}", "--clip", "gclip"],
+        ("pass", None),
+    ),
+    "transformers-tp": ("transformers", "fw_transformers.py", ["{tmp}", "--tp"], ("pass", None)),
+    "torchtitan-pp-fsdp": ("torchtitan", "fw_torchtitan.py", ["--layout", "pp-fsdp"], ("pass", None)),
+    "torchtitan-pp-fsdp-before-649": (
+        "torchtitan",
+        "fw_torchtitan.py",
+        ["--layout", "pp-fsdp", "--clip", "titan-no-pp"],
+        ("fail", "pp-stages-apart"),
+    ),
+    "torchtitan-fsdp-tp-plain-modules": (
+        "torchtitan",
+        "fw_torchtitan.py",
+        ["--layout", "fsdp-tp"],
+        ("error", "All operands in aten.stack.default must have the same mesh"),
+    ),
+    "torchtitan-fsdp-tp-gclip": (
+        "torchtitan",
+        "fw_torchtitan.py",
+        ["--layout", "fsdp-tp", "--clip", "gclip"],
+        ("pass", None),
+    ),
+}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_framework_row(row, tmp_path):
+    module, script, args, (kind, expected) = ROWS[row]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} {EXTRA}")
+    report = tmp_path / "audit.jsonl"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    cmd = torchrun_cmd(RANKS, "-m", "gclip.audit", "--json", str(report), str(SCRIPTS / script), *args)
+    job = run_job(cmd, env=job_env(PYTHONPATH=str(SCRIPTS)))
+    text = job.stdout + job.stderr
+    if kind == "error":
+        assert job.returncode != 0
+        said = [line for line in text.splitlines() if expected in line]
+        assert len(said) >= RANKS, text[-3000:]  # each rank raised it
+        return
+    steps = [json.loads(line) for line in report.read_text().splitlines()]
+    assert exited(job, 1 if kind == "fail" else 0), text[-3000:]
+    assert len(steps) == 2, text[-3000:]
+    for step in steps:
+        assert step["clipped"] and step["max_norm"] == 0.2 and step["max_norm_from"] == "the clip call"
+        assert (step["grade"], step["fingerprint"]) == (kind, expected), text[-3000:]
