@@ -94,7 +94,7 @@ def test_steps_limits_the_audit_and_an_unclipped_step_says_so(tmp_path):
 
 
 def test_gclip_testing_audit_around_a_tests_own_steps(tmp_path):
-    script = str(ROOT / "tests" / "audit_scripts" / "in_a_test.py")
+    script = str(ROOT / "tests" / "audit_scripts" / "block_audit.py")
     job = run_job(torchrun_cmd(RANKS, script, str(tmp_path)), env=job_env())
     assert job.returncode == 0, job.stdout + job.stderr[-3000:]
     every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]

@@ -134,7 +134,8 @@ def test_sweep_marks_oversubscribed_rank_counts():
         for r in (1, 2, 4, 8)
     ]  # fmt: skip
     text = sweep.format_sweep({"sweep": rows, "cpus": 2})
-    head = text.splitlines()[0]
+    machine, head = text.splitlines()[:2]  # the bench names its machine first, then the table
+    assert machine.startswith("machine:")
     assert "gclip R=2 " in head and "gclip R=4*" in head and "gclip R=8*" in head
     assert "*: R=4,8 oversubscribes the 2 cores" in text
     assert workloads.DEFAULT_RANKS == "1,2,4,8"

@@ -309,7 +309,7 @@ def test_list_bugs_marks_the_usage_bugs_says_where_to_see_them_and_buggy_refuses
         see = b["see"]
         for path in ("docs/torch.md", "tests/test_torch_usage_bugs.py"):
             assert path in see and (ROOT / path).is_file()
-        assert "Two usage bugs of the gallery" in (ROOT / "docs" / "torch.md").read_text()
+        assert "Three usage bugs of the gallery" in (ROOT / "docs" / "torch.md").read_text()
         proc = subprocess.run(
             [sys.executable, "-m", "gclip.demo", "--buggy", b["name"], "--ranks", "2"],
             capture_output=True, text=True, timeout=60,

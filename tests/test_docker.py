@@ -179,7 +179,7 @@ def test_install_steps_install_the_project_with_mpi():
         if kw == "COPY":
             copied.update(w.rstrip("/") for w in shlex.split(args)[:-1])
         if kw == "RUN" and re.search(r"\bpip install\b", args):
-            assert re.search(r"pip install --no-cache-dir \.(\s|$)", args), args
+            assert re.search(r"pip install --no-cache-dir '\.\[mpi\]'(\s|$)", args), args
             assert {"pyproject.toml", "src"} <= copied, f"pip install . before COPY of the project: {copied}"
             pip_seen = True
     assert pip_seen, "no RUN pip install in the base stage"
@@ -189,7 +189,9 @@ def test_install_steps_install_the_project_with_mpi():
         assert readme in copied, f"pyproject's readme {readme} is not copied into the image"
     deps = " ".join(project.get("dependencies", []))
     assert re.search(r"\bmpi4py\b", deps), "pip install . must bring mpi4py"
-    assert re.search(r"\bmpich\b", deps), "pip install . must bring the mpich wheel (mpirun)"
+    extras = load_pyproject()["project"]["optional-dependencies"]
+    assert not re.search(r"\bmpich\b", deps), "the mpich wheel is the mpi extra's, not a dependency"
+    assert any(re.search(r"\bmpich\b", d) for d in extras["mpi"]), "the mpi extra brings mpirun"
 
 
 def test_default_stage_runs_demo_as_non_root_under_timeout():

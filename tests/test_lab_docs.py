@@ -159,8 +159,8 @@ def test_every_complete_command_in_the_prose_is_one_the_lab_runs():
 def test_the_install_line_is_the_readmes():
     readme = (ROOT / "README.md").read_text()
     install = [c for c in ALL if c.startswith(INSTALL)]
-    assert install == [f"{INSTALL} ."]
-    assert f"{INSTALL} . " in readme  # the README's line, which goes on to run the demo
+    assert install == [f"{INSTALL} '.[mpi]'"]
+    assert f"{INSTALL} '.[mpi]' " in readme  # the README's line, which goes on to run the demo
     # the plot extra, which Exercise 5's --plot needs, is named where the guide says so
     assert "--plot" in CMD_TRAIN and '`pip install ".[plot]"`' in LAB.read_text()
     assert "'.[plot]'" in readme

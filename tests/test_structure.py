@@ -2,8 +2,10 @@
 the core has no hook for the lab (no steps to replace, no mode, no gallery bug) and stays small.
 
 The core is the package's flat modules (``gclip/*.py``, the package's
-``__init__`` among them); the lab is every subpackage (``gclip/gallery/``,
-``demo/``, ``train/``, ``conformance/``, ``bench/``, ``_lab/``, ``testing/``).
+``__init__`` among them); ``gclip/limits/`` (per-group, adaptive and unit-wise limits,
+over the core's public pieces) is a library package beside it, never importing the lab;
+the lab is every other subpackage (``gclip/gallery/``, ``demo/``, ``train/``,
+``conformance/``, ``bench/``, ``_lab/``, ``testing/``, ``audit/``).
 
 The import graph is read from the source with ``ast`` (nothing is imported):
 every ``import`` and ``from ... import`` of a gclip module, relative or
@@ -35,9 +37,11 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
-# the core: gclip itself and its flat modules; every subpackage is the lab
+# the core: gclip itself and its flat modules; the limits: a library package over it; every
+# other subpackage is the lab
 CORE = {name for name, path in MODULES.items() if path.parent == PACKAGE}
-LAB = {name for name in MODULES if name not in CORE}
+LIMITS = {name for name in MODULES if name == "gclip.limits" or name.startswith("gclip.limits.")}
+LAB = {name for name in MODULES if name not in CORE | LIMITS}
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -118,9 +122,10 @@ def test_the_core_is_the_flat_modules():
     assert {"gclip", "gclip.engine", "gclip.clip", "gclip.policy", "gclip.torch", "gclip.replicas"} <= CORE
     assert {"gclip.gallery", "gclip.gallery.bugs", "gclip.testing", "gclip.demo.command"} <= LAB
     assert not any(name.startswith(("gclip.gallery", "gclip.conformance")) for name in CORE)
+    assert {"gclip.limits", "gclip.limits.groups", "gclip.limits._torch"} <= LIMITS
 
 
-@pytest.mark.parametrize("module", sorted(CORE))
+@pytest.mark.parametrize("module", sorted(CORE | LIMITS))
 def test_the_core_imports_nothing_from_the_lab(module):
     seen, todo = set(), [module]
     while todo:  # everything the module imports, directly or not

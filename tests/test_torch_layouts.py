@@ -41,11 +41,11 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
         assert r["scaled_once"]
         assert abs(r["explain_norm"] - oracle) <= 1e-12 * oracle  # explain's rows: each value once
         assert abs(r["explain_shares"] - 1.0) <= 1e-12
-    if layout in ("ddp", "tp", "fsdp_2d"):  # without a declaration: one line naming replicated=, everywhere
+    if layout in ("ddp", "tp", "fsdp_2d", "pp_fsdp"):  # undeclared: one line naming the declaration
         for r in every:
             assert r["undeclared"] == every[0]["undeclared"]
             assert r["undeclared"].startswith("GclipValueError: ranks 0, 1, 2, 3 of 4: parameters[0].grad")
-            assert "replicated=" in r["undeclared"]
+            assert ("comm=" if layout == "pp_fsdp" else "replicated=") in r["undeclared"]
     # torch's own get_total_norm on this rank (measured for docs/torch.md)
     if layout in ("fsdp", "hsdp", "ddp", "fsdp_2d"):  # right (float32)
         assert all(abs(r["torch"] - oracle) <= 1e-6 * oracle for r in every)
@@ -61,15 +61,26 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
         assert 0 in every[3]["local_counts"] and every[0]["local_counts"] != every[3]["local_counts"]
 
 
-def amp(recipe: str, tmp_path) -> list[dict]:
+def amp(recipe: str, tmp_path, layout: str = "hsdp") -> list[dict]:
     script = str(ROOT / "tests" / "torch_amp_check.py")
-    job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path)), env=job_env())
+    job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path), layout), env=job_env())
     assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
 def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf(tmp_path):
     every = amp("agreed", tmp_path)
+    assert all(r["norm"] == float("inf") for r in every)
+    assert not any(r["stepped"] for r in every)
+    assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
+    assert all(r["same_as_replica"] for r in every)
+    assert all(r["check_replicas"] == "" for r in every)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp"])
+def test_the_standard_amp_loop_with_the_scaler_given_skips_on_every_rank_together(layout, tmp_path):
+    """unscale_, gclip's clip (scaler=scaler), scaler.step, scaler.update: torch's loop."""
+    every = amp("standard", tmp_path, layout)
     assert all(r["norm"] == float("inf") for r in every)
     assert not any(r["stepped"] for r in every)
     assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
@@ -130,7 +141,7 @@ def test_device_mesh_as_comm_dimension_names_and_the_refusals(tmp_path):
         assert abs(r["alone"] - oracle) <= 1e-12 * oracle and r["listed"] == r["alone"]
         assert "'pp' is not a dimension of the mesh (its dimensions: dp, tp)" in r["unknown_name"]
         assert r["partial"].startswith(
-            "GclipValueError: ranks 0, 1, 2, 3 of 4: tensors[0] is a Partial DTensor"
+            "GclipValueError: ranks 0, 1, 2, 3 of 4: tensors[0] is a Partial(max) DTensor"
         )
         assert r["nonfinite"].startswith("NonFiniteNormError:") and "rank 3" in r["nonfinite"]
     assert every[0]["outside"] == every[1]["outside"] == ""

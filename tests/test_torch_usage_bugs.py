@@ -30,11 +30,34 @@ def grad_norm(model: torch.nn.Module) -> float:
 
 
 def test_the_table():
-    assert len(USAGE_BUG_NAMES) == len(USAGE_BUGS) == 2
+    assert len(USAGE_BUG_NAMES) == len(USAGE_BUGS) == 3
     for bug in USAGE_BUGS:
         assert bug.name and bug.summary and bug.incident and bug.explanation
     assert "pytorch/examples #1196" in USAGE_BUG_NAMES["clip-before-unscale"].incident
     assert "pytorch/torchtitan PR #1258" in USAGE_BUG_NAMES["generator-consumed"].incident
+    assert "transformers PR #46113" in USAGE_BUG_NAMES["never-scaled"].incident
+
+
+def clip_as_transformers_46113(parameters, max_norm: float) -> torch.Tensor:
+    """The norm of the gradients, then the gradients handed over where parameters are expected."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm)
+    return total_norm
+
+
+def test_never_scaled():
+    wrong = model_with_grads()
+    norm = grad_norm(wrong)
+    assert norm > 10 * MAX_NORM  # the clip must act
+    reported = clip_as_transformers_46113(list(wrong.parameters()), MAX_NORM)
+    assert reported.item() == pytest.approx(norm, rel=1e-6)  # the norm is right
+    assert grad_norm(wrong) == pytest.approx(norm, rel=1e-12)  # the bug: nothing was scaled
+
+    right = model_with_grads()
+    got = gt.clip_grad_norm_(list(right.parameters()), MAX_NORM, comm=ONE)
+    assert got.item() == pytest.approx(norm, rel=1e-12)
+    assert grad_norm(right) == pytest.approx(MAX_NORM, rel=1e-6)
 
 
 def clip_as_torchtitan_did_before_pr_1258(parameters, max_norm: float) -> torch.Tensor:

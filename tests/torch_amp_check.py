@@ -1,11 +1,13 @@
-"""The AMP recipe of docs/torch.md on HSDP (2 x 2) when one rank's shard holds an inf
+"""The AMP loop on HSDP (2 x 2) or FSDP2 (4) when one rank's shard holds an inf
 (run by test_torch_layouts.py).
 
-    python -m torch.distributed.run --nproc-per-node 4 tests/torch_amp_check.py RECIPE OUTDIR
+    python -m torch.distributed.run --nproc-per-node 4 tests/torch_amp_check.py RECIPE OUTDIR [LAYOUT]
 
-RECIPE ``agreed``: docs/torch.md's recipe (the step and the scaler's update decided
-by gclip's norm, the same on every rank); ``local``: scaler.step as usual, which
-decides from this rank's own gradients. After one step with an inf injected into
+RECIPE ``standard``: torch's loop (``unscale_``, the clip, ``scaler.step``, ``update``) with
+``scaler=scaler`` given to gclip's clip; ``agreed``: the manual branch on gclip's norm;
+``local``: torch's loop with gclip's clip unaware of the scaler, where ``scaler.step``
+decides from this rank's own gradients. LAYOUT: ``hsdp`` (the default) or ``fsdp``.
+After one step with an inf injected into
 rank 0's shard, each rank writes OUTDIR/rank<R>.json: whether its weights moved,
 its scale, and whether its shard equals its replica's (rank r and r + 2 hold the
 same shard), and what gclip.torch.check_replicas says of the parameters.
@@ -30,11 +32,14 @@ from torch_jobs import teardown, watchdog
 from torch_layouts_check import Net, batch, loss_of
 
 
-def main(recipe: str, outdir: str) -> None:
+def main(recipe: str, outdir: str, layout: str = "hsdp") -> None:
     watchdog()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
     torch.manual_seed(0)
     model = Net()
     for b in model.blocks:
@@ -47,7 +52,7 @@ def main(recipe: str, outdir: str) -> None:
     if rank == 0:
         model.blocks[0].up.weight.grad.to_local().view(-1)[0] = math.inf  # an overflow in one shard
     scaler.unscale_(opt)
-    norm = gt.clip_grad_norm_(model.parameters(), 1.0)
+    norm = gt.clip_grad_norm_(model.parameters(), 1.0, scaler=scaler if recipe == "standard" else None)
     if recipe == "agreed":  # docs/torch.md: every rank decides from the same global norm
         if torch.isfinite(norm):
             scaler.step(opt)
@@ -60,7 +65,7 @@ def main(recipe: str, outdir: str) -> None:
     opt.zero_grad()
     mine = [p.detach().to_local() for p in model.parameters()]
     moved = any(not torch.equal(a, b) for a, b in zip(mine, before))
-    peer = (rank + 2) % 4  # the same shard on the other replica
+    peer = (rank + 2) % 4 if layout == "hsdp" else rank  # the same shard on the other replica
     theirs: list = [None] * 4
     dist.all_gather_object(theirs, [t.tolist() for t in mine])
     report = {
@@ -80,4 +85,4 @@ def main(recipe: str, outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

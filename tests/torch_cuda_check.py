@@ -12,10 +12,14 @@ What it checks, on CUDA tensors of every dtype:
    sync debug mode counts them);
 4. a bfloat16 gradient is never copied whole: the peak extra device memory
    stays within a few working chunks;
-5. a one-rank NCCL process group (the header on the current CUDA device).
+5. a one-rank NCCL process group (the header on the current CUDA device);
+6. the sync-free path (``gclip._torch_device``) under
+   ``torch.cuda.set_sync_debug_mode("error")``: two calls, no sync (the second
+   reads the first one's verdict from pinned memory), and compiled with
+   ``fullgraph=True``, equal to eager.
 
-It prints the time of a clip of GPT-2-small-shaped float32 gradients, gclip
-against torch.nn.utils.clip_grad_norm_, for the record.
+It prints, for GPT-2-small-shaped float32 gradients, the device bandwidth (a
+clone) and each clip's time and GB/s against it, gclip against torch.
 """
 
 from __future__ import annotations
@@ -113,6 +117,27 @@ def main() -> int:
     few, many = syncs(4), syncs(40)
     results.append(check("syncs do not grow with the tensors", few == many, f"{few} for 4, {many} for 40"))
 
+    # the sync-free path: no host sync at all (sync debug mode "error" raises on one), twice (the
+    # second call reads the first call's verdict, from pinned memory), and under torch.compile
+    for dtype in (torch.float32, torch.bfloat16):
+        params = grads_of(dtype, cuda, 5, shapes)
+        exact = fsum_norm([q.grad for q in params])
+        gt.clip_grad_norm_(params, 1e9, comm=one)  # warm: the header's constants go down once
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            error = ""
+            norms = [gt.clip_grad_norm_(params, 1e9, comm=one) for _ in range(2)]
+        except RuntimeError as exc:
+            error = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ok = not error and abs(norms[-1].item() - exact) <= 1e-12 * exact and norms[-1].device == cuda
+        results.append(check(f"{dtype} sync-free under set_sync_debug_mode('error')", ok, error[:200]))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda ps=params: gt.clip_grad_norm_(ps, 1e9, comm=one), fullgraph=True)
+        results.append(check(f"{dtype} compiled, fullgraph = eager", compiled().item() == norms[-1].item()))
+
     # memory: a bfloat16 gradient of 64M elements is read in chunks
     n = 64 << 20
     p = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16, device=cuda))
@@ -150,6 +175,20 @@ def main() -> int:
         shapes += [(768,), (768,), (768, 3072), (3072,), (3072, 768), (768,)]
     shapes += [(768,), (768,)]
     params = grads_of(torch.float32, cuda, 4, shapes)
+    values = sum(q.numel() for q in params)
+    big = torch.empty(values, device=cuda)
+    copy_s = _best(lambda: big.clone())
+    bandwidth = 2 * 4 * values / copy_s  # a copy reads and writes every byte once
+    print(f"  device bandwidth (a clone of {values} float32): {bandwidth / 1e9:.0f} GB/s")
+    for name, fn, passes in (
+        ("torch clip, active", lambda: torch.nn.utils.clip_grad_norm_(params, 1e-3), 3),
+        ("gclip clip, active", lambda: gt.clip_grad_norm_(params, 1e-3, comm=one), 3),
+        ("torch norm alone", lambda: torch.nn.utils.get_total_norm([q.grad for q in params]), 1),
+        ("gclip norm alone", lambda: gt.get_total_norm([q.grad for q in params], comm=one), 1),
+    ):
+        best = _best(fn)
+        rate = passes * 4 * values / best  # the norm reads once; the scale reads and writes once more
+        print(f"  {name}: {best * 1e3:.3f} ms, {rate / 1e9:.0f} GB/s ({rate / bandwidth:.0%} of a clone's)")
     for name, fn in (
         ("torch.nn.utils.clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(params, 1e9)),
         ("gclip.torch.clip_grad_norm_", lambda: gt.clip_grad_norm_(params, 1e9, comm=one)),
@@ -166,6 +205,21 @@ def main() -> int:
     failed = results.count(False)
     print(f"torch_cuda_check: {len(results) - failed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def _best(fn, repeat: int = 20) -> float:
+    """Best of ``repeat`` timed runs after a warm one, each ending in a device sync."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ one backward, and writes OUTDIR/rank<R>.json with:
   rank, or its error.
 
 DDP, and the parameters TP leaves plain (embed, norms, head), are called with
-``replicated=True`` (``undeclared``: the error without it).
+``replicated=True``, pp_fsdp with ``comm=mesh`` (``undeclared``: the error without it).
 
 The model's width 6 does not divide by 4: FSDP2's shards are uneven and
 some are empty.
@@ -87,6 +87,7 @@ def loss_of(y: torch.Tensor) -> torch.Tensor:
 
 
 TP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+COMM: dict = {}  # the layouts whose clip names its DeviceMesh as comm=
 
 
 def build(layout: str, rank: int):
@@ -134,6 +135,7 @@ def build(layout: str, rank: int):
             model.head.load_state_dict(whole.head.state_dict())
         fully_shard(model.blocks[0], mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+        COMM[layout] = mesh  # its dimension names are read from comm= alone
         peer = int(mesh.mesh[1 - stage, dp])
 
         def step() -> None:  # one microbatch through two stages
@@ -218,6 +220,9 @@ def main(layout: str, outdir: str) -> None:
     elif layout == "fsdp_2d":  # copies no DTensor shows: refused, then declared by the mesh dimension's name
         report["undeclared"] = error_of(lambda: gt.clip_grad_norm_(model.parameters(), limit))
         norm = gt.clip_grad_norm_(model.parameters(), limit, replicated="tp").item()
+    elif layout in COMM:  # pipeline stages: named by comm's mesh (torch's recorded root may be stale)
+        report["undeclared"] = error_of(lambda: gt.clip_grad_norm_(model.parameters(), limit))
+        norm = gt.clip_grad_norm_(model.parameters(), limit, comm=COMM[layout]).item()
     else:
         norm = gt.clip_grad_norm_(model.parameters(), limit).item()  # as torch's is called
     after = [full(p.grad) for p in params]

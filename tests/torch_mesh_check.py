@@ -5,7 +5,7 @@
 On a (dp=2, tp=2) DeviceMesh, plain tensors that dp peers hold identically
 (seeded by the tp coordinate): ``comm=mesh, replicated="dp"`` (alone, and as a
 per-tensor list) against math.fsum over the tp ranks' values, each once. Then
-the one-line errors: a Partial DTensor, an unknown dimension name, a rank
+the one-line errors: a Partial(max) DTensor (sums and averages are reduced), an unknown dimension name, a rank
 outside a process group passing the non-member handle; and NonFiniteNormError
 caught as a RuntimeError. Each process writes OUTDIR/rank<R>.json.
 """
@@ -43,7 +43,7 @@ def main(outdir: str) -> None:
     report["alone"] = gt.get_total_norm(grads, comm=mesh, replicated="dp").item()
     report["listed"] = gt.get_total_norm(grads, comm=mesh, replicated=["dp", ("dp",)]).item()
     report["unknown_name"] = error_of(lambda: gt.get_total_norm(grads, comm=mesh, replicated="pp"))
-    partial = DTensor.from_local(torch.ones(3), mesh["tp"], [Partial()])
+    partial = DTensor.from_local(torch.ones(3), mesh["tp"], [Partial("max")])  # sums are reduced
     report["partial"] = error_of(lambda: gt.get_total_norm([partial]))
     pair = dist.new_group([0, 1])  # every rank calls new_group; ranks 2, 3 get the non-member handle
     report["outside"] = error_of(lambda: gt.get_total_norm(grads, comm=pair, replicated=False))

@@ -22,20 +22,26 @@ from .clip import (
 from .contract import clip_shards
 from .errors import GclipError, GclipTypeError, GclipValueError, NonFiniteNormError
 from .layout import Group, Mesh, Placement
+from .limits import AGC, AutoClip, GroupsResult, ZClip, clip_groups
 from .replicas import check_replicas, explain
 
 __all__ = [
+    "AGC",
+    "AutoClip",
     "ClipResult",
     "GclipError",
     "GclipTypeError",
     "GclipValueError",
     "Group",
+    "GroupsResult",
     "Mesh",
     "NonFiniteNormError",
     "Placement",
+    "ZClip",
     "apply_scale",
     "check_replicas",
     "clip_by_global_norm",
+    "clip_groups",
     "clip_scale",
     "clip_shards",
     "clip_simulated",

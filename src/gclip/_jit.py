@@ -21,7 +21,6 @@ F32, F64 = 1, 2  # the table's kinds (0: left to numpy)
 _C_CONTIGUOUS, _F_CONTIGUOUS = 0x1, 0x2  # numpy's array flags (ndarraytypes.h)
 _HI = 1 if sys.byteorder == "little" else 0  # a float64's high 32-bit word
 
-# ---------------------------------------------------------------------------
 # LLVM operations numba has no Python spelling for
 
 
@@ -39,11 +38,8 @@ def peek64(typingctx, addr):  # the int64 at an address (an array header's field
 
 
 @intrinsic
-def peek32(typingctx, addr):
-    def codegen(ctx, b, sig, args):
-        return b.sext(_load(b, args[0], _I32), _I64)
-
-    return types.int64(types.int64), codegen
+def peek32(typingctx, addr):  # the int32 at an address, widened
+    return types.int64(types.int64), lambda ctx, b, sig, args: b.sext(_load(b, args[0], _I32), _I64)
 
 
 def _pointer(dtype):  # an address as a typed pointer, for numba.carray
@@ -121,7 +117,6 @@ ptr64 = _pointer(types.float64)
 ptr_u32 = _pointer(types.uint32)
 
 
-# ---------------------------------------------------------------------------
 # the kernels
 
 carray = numba.carray
@@ -139,9 +134,7 @@ def inspect(ids, lay, ptr, size, kind):
     compiled = 0
     for j in range(ids.size):
         o = ids[j]
-        kind[j] = 0
-        ptr[j] = 0
-        size[j] = 0
+        kind[j] = ptr[j] = size[j] = 0
         if peek64(o + lay[_TYPE]) != lay[_NDARRAY]:  # an exact ndarray (no subclass): its fields follow
             continue
         descr = peek64(o + lay[_DESCR])
@@ -343,9 +336,7 @@ def _folds_sq32(y, z, m0, m1, m2, one):
     # would otherwise idle while the adders are the bottleneck. z (as long as y) is the
     # next block: its max is taken here, its loads overlapping this block's arithmetic
     c12 = m1 + m2
-    a0 = 0
-    a1 = 0
-    a2 = 0
+    a0 = a1 = a2 = 0
     mz = absbits(z[0])
     for i in range(y.size):
         x = np.float64(y[i])
@@ -364,9 +355,7 @@ def _folds_sq32(y, z, m0, m1, m2, one):
 def _folds(y, z, p, m0, m1, m2, one):
     # float64 squares (rounded once, as numpy's v*v) or |x|: then the same extraction
     c12 = m1 + m2
-    a0 = 0
-    a1 = 0
-    a2 = 0
+    a0 = a1 = a2 = 0
     mz = absbits(z[0])
     for i in range(y.size):
         x = np.float64(y[i])
@@ -390,9 +379,7 @@ def _folds_scaled(y, p, k, width):
     # may pass 2**53, where a float64 sum would round)
     e = 1.5 * 2.0**52
     unit = 2.0**width
-    f0 = 0
-    f1 = 0
-    f2 = 0
+    f0 = f1 = f2 = 0
     for i in range(y.size):
         v = math.ldexp(abs(np.float64(y[i])), -k)
         if p == 2:

@@ -11,10 +11,8 @@ call. The kernels compute what the numpy code in ``partials`` computes:
   as their bits;
 - ``digits``: the reproducible mode's digit counts: in the bins the result
   keeps, the very integers of the numpy folds (the same round-half-even
-  extraction; a top bin per block of KERNEL_BLOCK_BYTES, or for float32 per run
-  of such blocks none of which rises above its first one's, where numpy's blocks
-  hold BLOCK values: any top bin from a block's own up to the global one gives
-  the same digits in the bins the result keeps);
+  extraction, over blocks of KERNEL_BLOCK_BYTES where numpy's hold BLOCK values:
+  see ``_jit.digits`` for why the blocks may differ);
 - ``multiply_table``: x *= s in place (float32 arrays by the float32 scale given).
 
 A list of arrays goes in one call through a :class:`Table` of (address, size,
@@ -83,18 +81,14 @@ class Table(NamedTuple):
         """Do any two compiled entries share memory (the same array twice included)? A yes or no
         for the whole list at once, vectorised: where it says yes, the checks read the list item
         by item and ``reader.same_memory`` says which arrays, and whether they are repeats."""
-        return bool(_overlaps(self))
-
-
-def _overlaps(t: Table) -> bool:
-    on = t.kind != 0
-    start = t.ptr[on]
-    end = start + t.size[on] * np.where(t.kind[on] == F32, 4, 8)
-    full = end > start
-    start, end = start[full], end[full]
-    order = np.argsort(start, kind="stable")
-    start, end = start[order], end[order]
-    return bool(np.any(start[1:] < np.maximum.accumulate(end)[:-1]))
+        on = self.kind != 0
+        start = self.ptr[on]
+        end = start + self.size[on] * np.where(self.kind[on] == F32, 4, 8)
+        full = end > start
+        start, end = start[full], end[full]
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], end[order]
+        return bool(np.any(start[1:] < np.maximum.accumulate(end)[:-1]))
 
 
 class Checked(list[np.ndarray]):
@@ -166,21 +160,11 @@ def _interface_table(arrays: Any, writable: bool) -> Table:
     ptr, size, kind = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
     compiled = 0
     for i, a in enumerate(arrays):
-        if type(a) is not np.ndarray or (a.dtype is not _F32 and a.dtype is not _F64):
-            continue
-        flags = a.flags
-        if (
-            not (flags.c_contiguous or flags.f_contiguous)
-            or not flags.aligned
-            or (writable and not flags.writeable)
-        ):
-            continue
-        ptr[i], size[i], kind[i] = a.__array_interface__["data"][0], a.size, F32 if a.dtype is _F32 else F64
-        compiled += 1
+        k = _expected_kind(a, writable)
+        if k:
+            ptr[i], size[i], kind[i] = a.__array_interface__["data"][0], a.size, k
+            compiled += 1
     return Table(ptr, size, kind, compiled)
-
-
-_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -200,7 +184,6 @@ def _build() -> Kernels | None:
     return Kernels(fns, _header_layout(fns.inspect))
 
 
-# ---------------------------------------------------------------------------
 # array headers: numpy's PyArrayObject fields, after the object header
 
 
@@ -257,10 +240,15 @@ def _header_layout(inspect: Any) -> np.ndarray | None:
 
 
 def _expected_kind(a: Any, writable: bool) -> int:
-    if type(a) is not np.ndarray or not (a.flags.c_contiguous or a.flags.f_contiguous):
+    """F32 or F64 for a native, aligned, contiguous (and, if asked, writable) ndarray, else 0."""
+    if type(a) is not np.ndarray or (a.dtype is not _F32 and a.dtype is not _F64):
         return 0
-    if not a.flags.aligned or (writable and not a.flags.writeable):
+    flags = a.flags
+    if not (flags.c_contiguous or flags.f_contiguous) or not flags.aligned:
         return 0
-    if a.dtype is np.dtype(np.float32):
-        return F32
-    return F64 if a.dtype is np.dtype(np.float64) else 0
+    if writable and not flags.writeable:
+        return 0
+    return F32 if a.dtype is _F32 else F64
+
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)

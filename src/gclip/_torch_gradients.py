@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from . import _dtensor, _torch_partials, engine, reader
 from .errors import GclipTypeError, GclipValueError
@@ -39,6 +40,11 @@ def _checked(g: Any, where: str) -> torch.Tensor:
     if _dtensor.is_dtensor(g):
         _checked(_dtensor.local(g), where)  # its local tensor is what this rank holds and scales
         return g
+    if g.device.type == "meta":
+        raise GclipValueError(
+            f"{where} is on the meta device: it holds no values, so there is no norm to take "
+            "(materialise the model first, e.g. to_empty() and its initialisation)"
+        )
     if g.layout != torch.strided:
         raise GclipTypeError(f"{where} is a {g.layout} tensor; gclip clips dense tensors")
     if g.dtype not in FLOAT_DTYPES:
@@ -51,21 +57,35 @@ def _checked(g: Any, where: str) -> torch.Tensor:
 class Gradients(NamedTuple):
     """The gradients read for one call: the arrays as read (``engine.Grads``)."""
 
-    tensors: list[torch.Tensor]  # each distinct gradient once (a DTensor's local tensor)
+    tensors: list[torch.Tensor]  # each distinct gradient once, as counted (a DTensor's local tensor)
     entries: list[Any]  # its replicated= entry (None: none given; a DTensor's: _dtensor.Placed)
     wheres: list[str]  # where it came from, for messages
     foreach: bool | None = None  # how the factor is applied: False, tensor by tensor
+    targets: list[torch.Tensor] | None = None  # what is scaled, where not ``tensors`` (Partial grads)
 
     def scaled(self, factor: float, inplace: bool) -> None:
         """Each gradient multiplied in place by ``factor`` (torch's clip is always in place)."""
-        _torch_partials.multiply_by(self.tensors, factor, self.foreach)
+        _torch_partials.multiply_by(self.scaled_tensors, factor, self.foreach)
+
+    @property
+    def scaled_tensors(self) -> list[torch.Tensor]:
+        """The local tensors the scale multiplies: a Partial gradient's own, not its reduced copy."""
+        return self.tensors if self.targets is None else self.targets
 
 
-def _read(items: Any, replicated: Any, inplace: bool, *, of_parameters: bool, foreach: bool | None) -> Any:
+def _read(
+    items: Any,
+    replicated: Any,
+    inplace: bool,
+    *,
+    of_parameters: bool,
+    foreach: bool | None,
+    probe: torch.Tensor | None = None,
+) -> Any:
     """The engine's reader for tensors: (the gradients, each distinct one once, their entries)."""
-    read = gradients(items, replicated, of_parameters=of_parameters)._replace(foreach=foreach)
+    read = gradients(items, replicated, of_parameters=of_parameters, probe=probe)._replace(foreach=foreach)
     if inplace:  # refused here, the error is agreed; torch's multiply would raise on this rank alone
-        for g, where in zip(read.tensors, read.wheres):
+        for g, where in zip(read.scaled_tensors, read.wheres):
             if any(stride == 0 and n > 1 for n, stride in zip(g.shape, g.stride())):
                 raise GclipValueError(
                     f"{where} is expanded (stride 0: several elements are one memory location) and "
@@ -81,11 +101,27 @@ def backend(of_parameters: bool, foreach: bool | None) -> engine.Backend:
     return engine.Backend(read, _torch_partials)
 
 
-def gradients(items: Any, replicated: Any, *, of_parameters: bool) -> Gradients:
+def probed_backend(foreach: bool | None, probe: torch.Tensor) -> engine.Backend:
+    """:func:`backend` for parameters, with ``probe`` counted as one more tensor of this rank's
+    own (a GradScaler's found_inf as inf or 0: see ``gclip.torch``)."""
+    read = functools.partial(_read, of_parameters=True, foreach=foreach, probe=probe)
+    return engine.Backend(read, _torch_partials)
+
+
+def gradients(
+    items: Any,
+    replicated: Any,
+    *,
+    of_parameters: bool,
+    reduce: bool = True,
+    probe: torch.Tensor | None = None,
+) -> Gradients:
     """The gradients to clip: parameters' .grad (None skipped) or the tensors themselves.
 
     The same gradient given twice counts once and is scaled once; two that
-    overlap in memory in part are an error.
+    overlap in memory in part are an error. ``reduce``: Partial gradients are reduced (a
+    collective) to be counted; False: read alone, to be scaled (no communication).
+    ``probe``: one more plain tensor, this rank's own, counted after the others.
     """
     name = "parameters" if of_parameters else "tensors"
     items = _as_list(items, name)
@@ -96,6 +132,7 @@ def gradients(items: Any, replicated: Any, *, of_parameters: bool) -> Gradients:
         raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
     placed: dict[tuple[int, str], Any] = {}  # a DTensor's one Placed entry, however often it is given
     picked: list[tuple[str, torch.Tensor, Any]] = []
+    partial = _Partials()
     for i, item in enumerate(items):
         if of_parameters:
             if not isinstance(item, torch.Tensor):
@@ -118,11 +155,81 @@ def gradients(items: Any, replicated: Any, *, of_parameters: bool) -> Gradients:
                 )
             key = (id(g), repr(entry))
             if key not in placed:
-                placed[key] = _dtensor.Placed(g.device_mesh, tuple(g.placements), entry, where)
+                placements = partial.reduced_placements(g)
+                signature = (
+                    tuple(g.shape),
+                    str(g.dtype),
+                    _dtensor.describe(placements),
+                    tuple(g.device_mesh.shape),
+                )
+                placed[key] = _dtensor.Placed(g.device_mesh, placements, entry, where, signature)
             g, entry = _dtensor.local(g), placed[key]
         picked.append((where, g, entry))
+    if probe is not None:
+        picked.append(("the GradScaler's found_inf", probe, False))
     kept = _distinct(picked)
-    return Gradients([g for _, g, _ in kept], [e for _, _, e in kept], [w for w, _, _ in kept])
+    tensors = [g for _, g, _ in kept]
+    counted = (
+        partial.reduce(tensors) if reduce else tensors
+    )  # Partial sums: their reduced copies are what is counted
+    return Gradients(
+        counted,
+        [e for _, _, e in kept],
+        [w for w, _, _ in kept],
+        targets=None if counted is tensors else tensors,
+    )
+
+
+class _Partials:
+    """The call's ``Partial`` DTensor gradients (tensor parallel without FSDP: the norms' weights
+    under SequenceParallel), reduced as torch's own clip reduces them, but one all-reduce per
+    (mesh, Partial dimension, dtype, device) group, not per tensor; none when there are none.
+
+    The reduced copy is what is counted (as ``Replicate`` on those dimensions: once); the
+    gradient itself stays Partial and is scaled in place (a sum scaled is its terms scaled).
+    The all-reduce runs over the tensor's own mesh dimension while the arguments are read, before
+    gclip's header, as torch's clip reduces them: a rank whose list lacks a Partial gradient its
+    mesh peers hold leaves them waiting there, as torch's would."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[Any, tuple[int, ...], str]] = {}  # id(local) -> (mesh, dims, op)
+
+    def reduced_placements(self, g: Any) -> tuple[Any, ...]:
+        """g's placements with each Partial sum or average read as Replicate (once reduced)."""
+        from torch.distributed.tensor import Replicate
+
+        dims = tuple(d for d, p in enumerate(g.placements) if p.is_partial())
+        if not dims:
+            return tuple(g.placements)
+        ops = {str(getattr(g.placements[d], "reduce_op", "sum")) for d in dims}
+        if len(ops) != 1 or not ops <= {"sum", "avg"}:
+            return tuple(g.placements)  # refused by the counting, on every rank together
+        self.seen[id(_dtensor.local(g))] = (g.device_mesh, dims, ops.pop())
+        return tuple(Replicate() if d in dims else p for d, p in enumerate(g.placements))
+
+    def reduce(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.seen:
+            return tensors
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, t in enumerate(tensors):
+            how = self.seen.get(id(t))
+            if how is not None:
+                mesh, dims, op = how
+                groups.setdefault((id(mesh), dims, op, t.dtype, t.device), []).append(i)
+        out = list(tensors)
+        for (_, dims, op, _, _), members in groups.items():
+            mesh = self.seen[id(tensors[members[0]])][0]
+            flat = torch.cat([tensors[i].reshape(-1) for i in members])  # a copy: the grads stay Partial
+            for d in dims:
+                dist.all_reduce(flat, group=mesh.get_group(d))
+                if op == "avg":
+                    flat.div_(mesh.size(d))
+            start = 0
+            for i in members:
+                n = tensors[i].numel()
+                out[i] = flat[start : start + n].view(tensors[i].shape)
+                start += n
+        return out
 
 
 def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, torch.Tensor, Any]]:
@@ -136,7 +243,7 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
             repeat[i] = first[id(g)]
             continue
         first[id(g)] = i
-        if g.numel():
+        if g.numel() and _has_memory(g):
             by_memory.setdefault((g.device, g.untyped_storage().data_ptr()), []).append(i)
     for members in by_memory.values():
         if len(members) > 1:
@@ -149,6 +256,16 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
                 f"entries ({entry_j!r}, {entry_i!r})"
             )
     return [item for i, item in enumerate(picked) if i not in repeat]
+
+
+def _has_memory(g: torch.Tensor) -> bool:
+    """Can its memory be compared? Not while compiling (data_ptr cannot be traced), nor for
+    tensors that hold none (FakeTensorMode): those are told apart by identity only."""
+    if type(g) is torch.Tensor or type(g) is torch.nn.Parameter:
+        return not torch.compiler.is_compiling()  # a plain tensor: the common case, at once
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not torch.compiler.is_compiling() and not is_fake(g)
 
 
 def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:

@@ -12,7 +12,6 @@ per shard) in the reproducible mode, so it gives the very bits a real
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,10 +25,6 @@ __all__ = ["DIGITS", "clip_shards", "rounded", "validate_shards"]
 DIGITS = 12  # the contract rounds results to 12 decimals
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
 def validate_shards(shards: object) -> list[list[float]]:
     """A list of lists of real numbers, or a one-line error naming the culprit."""
     if not isinstance(shards, (list, tuple)):
@@ -39,7 +34,7 @@ def validate_shards(shards: object) -> list[list[float]]:
         if not isinstance(shard, (list, tuple)):
             raise GclipTypeError(f"shard {i} must be a list of numbers, got {type(shard).__name__}")
         for j, v in enumerate(shard):
-            if not _is_number(v):
+            if not engine._real(v):  # a real number, not a bool
                 raise GclipTypeError(f"shard {i} item {j} must be a number, got {type(v).__name__}")
         try:
             out.append([float(v) for v in shard])

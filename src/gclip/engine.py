@@ -294,11 +294,9 @@ def program(args: Arguments) -> Program:
 def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNormError:
     """The error of ``error_if_nonfinite=True``: ``holders[r]``, rank r's own part is not finite."""
     ranks = [r for r, bad in enumerate(holders) if bad]
-    where = (
-        f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        if ranks
-        else "every rank's own part is finite: the norm overflows float64"
-    )
+    where = "every rank's own part is finite: the norm overflows float64"
+    if ranks:
+        where = f"non-finite values on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     name = "inf" if math.isinf(p) else f"{p:g}"
     return NonFiniteNormError(f"the global {name}-norm is {norm!r} ({where}; error_if_nonfinite=True)")
 
@@ -319,6 +317,7 @@ class Sums(NamedTuple):
     power: float  # sum |x|**p
     rescue: bool  # some rank's plain sum over- or underflowed
     nonfinite: bool  # some rank's own part is inf or NaN
+    extra: Sequence[float] = ()  # the sums of ``header``'s ``extra`` (per-group limits: each group's)
 
 
 def header(
@@ -330,10 +329,12 @@ def header(
     power: float,
     rescue: bool,
     nonfinite: bool,
+    extra: Sequence[float] = (),
 ) -> Generator[Reduce | Gather, Any, Sums]:
     """The header all-reduce of one rank's part: returns the sums where every rank agrees;
     where some rank failed, or the ranks disagree on ``spec`` or on what their groups
-    hold, every rank raises the same error instead."""
+    hold, every rank raises the same error instead. ``extra`` rides along, summed (every
+    rank gives as many: their number is in ``spec``)."""
     h1, h2 = spec.fingerprint
     mine = np.array(  # floats only: numpy builds it fastest
         [
@@ -347,13 +348,14 @@ def header(
             1.0 if rescue else 0.0,
             1.0 if nonfinite else 0.0,
             *(counting.ring if error is None else (0.0, 0.0)),
+            *extra,
         ]
     )
     total = (yield Reduce(mine)).tolist()  # Python floats: cheaper to read than numpy scalars
     mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
     if total[_ERROR] or mismatch or total[_LAYOUT1] != 0.0 or total[_LAYOUT2] != 0.0:
         yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
-    return Sums(total[_COUNT], total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0)
+    return Sums(total[_COUNT], total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0, total[HEADER_SIZE:])
 
 
 def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tuple[float, bool, float]:

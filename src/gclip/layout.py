@@ -48,12 +48,10 @@ _RING_BITS = 20  # per hash: sums of +-2**20 terms stay exact in float64 for 2**
 class Counting(NamedTuple):
     """Which of this rank's arrays it counts, and the test that the ranks agree on it.
 
-    ``owned[i]``: this rank counts array i (a replicated array counts on one
-    rank of its group). ``ring`` is this rank's share of two sums that are
-    exactly 0 over all ranks when every group agrees on what it holds; they
-    ride in the engine's header, so the test costs no collective.
-    ``summary`` is what this rank declared, gathered only to explain a
-    disagreement, and ``explain(summaries)`` says it in one line.
+    ``owned[i]``: this rank counts array i (a copy counts on one rank of its group).
+    ``ring``: this rank's share of the two ring sums (see the module docstring).
+    ``summary``: what this rank declared, gathered only to explain a disagreement,
+    which ``explain(summaries)`` says in one line.
     """
 
     owned: Sequence[bool] | None = None  # None: every array is this rank's
@@ -68,12 +66,8 @@ EVERY_ARRAY = Counting()
 def for_ranks(replicated: Any, size: int) -> list[Any]:
     """``replicated=`` of R simulated ranks, one entry per rank: one list for every rank (flags),
     or one list per rank (``replicated[r]``, with :class:`Group` entries for groups)."""
-    lists = (
-        isinstance(replicated, (list, tuple))
-        and len(replicated) > 0
-        and all(isinstance(r, (list, tuple)) for r in replicated)
-    )
-    if not lists:
+    nested = isinstance(replicated, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in replicated)
+    if not nested or not replicated:
         return [replicated] * size
     if len(replicated) != size:
         raise GclipValueError(f"replicated has {len(replicated)} lists for {size} ranks")
@@ -119,12 +113,7 @@ class _Holding(NamedTuple):
 
 
 def counting(
-    entries: Sequence[Any] | None,
-    arrays: Sequence[np.ndarray],
-    *,
-    rank: int,
-    size: int,
-    comm: Any = None,
+    entries: Sequence[Any] | None, arrays: Sequence[np.ndarray], *, rank: int, size: int, comm: Any = None
 ) -> Counting:
     """The Counting for this rank: what it counts and its share of the ring sums.
 
@@ -406,10 +395,7 @@ class Mesh:
         return tuple(a for a in self.axes if a in axes)
 
     def replicated(self, *axes: str) -> Any:
-        """The group of ranks that differ from this one only along ``axes``.
-
-        With no axis (or only axes of size 1) it is this rank alone: False.
-        """
+        """The group of ranks that differ from this one only along ``axes`` (False: this rank alone)."""
         axes = self._check_axes(axes)
         if math.prod(self.shape[a] for a in axes) == 1:
             return False
@@ -432,9 +418,8 @@ class Mesh:
         reps = self._check_axes(replicated)
         if axis in reps:
             raise GclipValueError(f"tied: axis {axis!r} cannot also be replicated")
-        n = self.shape[axis]
-        chosen = sorted({s % n for s in stages})
-        on = self.coords[axis] in chosen
+        chosen = sorted({s % self.shape[axis] for s in stages})
+        on = self.holds_tied(axis, stages)
         color = None if not on else self._color_over((axis, *reps))
         group = self._group(("tied", axis, tuple(chosen), reps), color)
         if not on:

@@ -2,13 +2,10 @@
 
 The engine's backend for numpy (``gclip._torch_partials`` has the same functions for
 torch), with the compiled kernels of ``_kernels`` where the arrays are many or large.
-No MPI here: real and simulated ranks run the same code.
-
-- :func:`power_sum`: sum |x|**p in float64, in one read, and whether it needs the
-  rescue (:func:`needs_rescue`): the two-pass :func:`max_abs`, :func:`scaled_power_sum`.
-- :func:`multiply_by`: the factor, applied to each array in its own dtype.
-- :class:`BinnedPowerSum`: the reproducible mode's integer digit counts (ReproBLAS-style),
-  which ranks add exactly, so the norm has the same bits for any layout.
+No MPI here: real and simulated ranks run the same code. :func:`power_sum` reads once
+(:func:`max_abs` and :func:`scaled_power_sum` are its rescue), :func:`multiply_by` applies
+the factor, and :class:`BinnedPowerSum` is the reproducible mode's integer digit counts
+(ReproBLAS-style), which ranks add exactly, so the norm has the same bits for any layout.
 """
 
 from __future__ import annotations
@@ -66,10 +63,8 @@ _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 def iter_chunks(a: np.ndarray, chunk: int = CHUNK) -> Iterator[np.ndarray]:
-    """Yield 1-D views of ``a`` (any shape and strides) of at most ``chunk`` elements.
-
-    Views, never copies: writes through them reach ``a``.
-    """
+    """Yield 1-D views of ``a`` (any shape and strides) of at most ``chunk`` elements: views,
+    never copies, so writes through them reach ``a``."""
     if a.size == 0:
         return
     if a.ndim <= 1 or a.flags.c_contiguous or a.flags.f_contiguous:
@@ -82,12 +77,9 @@ def iter_chunks(a: np.ndarray, chunk: int = CHUNK) -> Iterator[np.ndarray]:
 
 
 class _Scratch:
-    """One float64 working buffer per call, so no chunk allocates.
-
-    Made on first use and no larger than the largest chunk seen: a float64
-    array that BLAS reads directly never pays for it, and a small one pays
-    only its own size.
-    """
+    """One float64 working buffer per call, so no chunk allocates: made on first use and no
+    larger than the largest chunk seen (a float64 array that BLAS reads directly never pays
+    for it, and a small one pays only its own size)."""
 
     def __init__(self, chunk: int = CHUNK) -> None:
         self._buf = np.empty(0, dtype=np.float64)
@@ -132,14 +124,9 @@ def binned_digits(binned: BinnedPowerSum, arrays: Sequence[np.ndarray]) -> np.nd
 
 
 def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
-    """sum |x|**p over the arrays, accumulated in float64, in one read.
-
-    Returns (sum, rescue): ``rescue`` is True when the plain sum cannot be
-    trusted (it overflowed, or is so small that squares may have underflowed)
-    and the caller must take the two-pass scaled route (:func:`max_abs` then
-    :func:`scaled_power_sum`). Non-finite data gives a non-finite sum and no
-    rescue: the norm IS inf or NaN.
-    """
+    """(sum |x|**p over the arrays, accumulated in float64, in one read; rescue): ``rescue`` is
+    True where the caller must take the two-pass scaled route instead (:func:`needs_rescue`;
+    :func:`max_abs` then :func:`scaled_power_sum`)."""
     total = 0.0
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below (a dot warns too)
         rest = arrays
@@ -325,8 +312,6 @@ def float32_toward_zero(factor: float) -> np.float32:
 
 
 _F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
-
-
 _EXTRACTOR = 1.5 * 2.0**52  # (r + M) - M rounds r to an integer, for |r| < 2**51
 
 

@@ -18,20 +18,12 @@ import numpy as np
 from . import _kernels, partials
 from .errors import GclipTypeError, GclipValueError
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "Grads",
-    "entries_of",
-    "grads",
-    "read",
-    "same_memory",
-]
+__all__ = ["FLOAT_DTYPES", "Grads", "entries_of", "grads", "read", "same_memory"]
 
 FLOAT_DTYPES = frozenset(np.dtype(t) for t in ("<f2", ">f2", "<f4", ">f4", "<f8", ">f8"))
 _NATIVE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 
 
-# ---------------------------------------------------------------------------
 # the gradient arrays
 
 
@@ -161,7 +153,7 @@ def grads(value: Any, inplace: bool) -> Grads:
     else:
         return Grads([_array(value, "grads", inplace)], None, None, value)
     if len(items) >= _kernels.MANY:
-        checked = _checked_at_once(items, inplace)
+        checked = _with_table(items, inplace, whole=True)
         if checked is not None:
             return Grads(checked, None, container, items)
     arrays = [
@@ -171,30 +163,19 @@ def grads(value: Any, inplace: bool) -> Grads:
         for i, g in enumerate(items)
     ]
     given = _unaliased(items, arrays, container)._replace(source=items)
-    return (
-        given._replace(arrays=_with_table(given.arrays, inplace)) if len(arrays) >= _kernels.MANY else given
-    )
+    checked = _with_table(given.arrays, inplace) if len(arrays) >= _kernels.MANY else None
+    return given if checked is None else given._replace(arrays=checked)
 
 
-def _with_table(arrays: list[np.ndarray], inplace: bool) -> list[np.ndarray]:
-    """Many arrays, with the compiled kernels' table read once here for the whole call (its sum,
-    its digits and its in-place scale); the arrays as they are otherwise."""
-    kernels = _kernels.get()
-    table = kernels.table(arrays, writable=inplace) if kernels is not None else None
-    if table is None or not table.compiled:
-        return arrays
-    checked = _kernels.Checked(arrays)
-    checked.table, checked.writable = table, inplace
-    return checked
-
-
-def _checked_at_once(items: Sequence[Any], inplace: bool) -> list[np.ndarray] | None:
-    """The arrays, when every item is a float32/float64 ndarray, contiguous, aligned (and
-    writable for inplace), and no two share memory: read from the arrays' headers in one
-    compiled call. None leaves it to the item-by-item checks (and their error messages)."""
+def _with_table(items: Sequence[Any], inplace: bool, whole: bool = False) -> list[np.ndarray] | None:
+    """The items with the compiled kernels' table read once here for the whole call (its sum, its
+    digits and its in-place scale), or None where the kernels take none of them. ``whole``: read
+    from the headers alone when every item is a float32/float64 ndarray, contiguous, aligned (and
+    writable for inplace), and no two share memory; else None leaves it to the item-by-item checks
+    (and their error messages)."""
     kernels = _kernels.get()
     table = kernels.table(items, writable=inplace) if kernels is not None else None
-    if table is None or table.compiled != len(items) or table.overlaps():
+    if table is None or not table.compiled or (whole and (table.compiled != len(items) or table.overlaps())):
         return None
     checked = _kernels.Checked(items)
     checked.table, checked.writable = table, inplace
@@ -242,7 +223,6 @@ def _array(g: Any, where: str, inplace: bool) -> np.ndarray:
     return a
 
 
-# ---------------------------------------------------------------------------
 # aliases: the same memory given twice counts once; a partial overlap is an error
 
 

@@ -78,8 +78,7 @@ def _records(
         elif is_flag(entry):
             members = tuple(range(size))
         else:
-            holding = _holding(entry, comm, rank, size, i)
-            members = holding.members
+            members = _holding(entry, comm, rank, size, i).members
         if math.isinf(p):
             power = norm = partials.max_abs([a])[0]
         else:  # the engine's own local step, with its overflow/underflow rescue
@@ -195,11 +194,7 @@ def _raise_agreed(gathered: Sequence[tuple[tuple[str, str] | None, Any]]) -> Non
 
 
 def check_replicas(
-    grads: Any,
-    *,
-    replicated: Sequence[Any],
-    names: Sequence[str] | None = None,
-    comm: Comm | None = None,
+    grads: Any, *, replicated: Sequence[Any], names: Sequence[str] | None = None, comm: Comm | None = None
 ) -> None:
     """Check that arrays declared identical over a group really are, bit for bit.
 

@@ -31,8 +31,9 @@ See docs/torch.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import math
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +45,7 @@ except ImportError:  # pragma: no cover - torch is an optional extra
 
 from . import (
     _dtensor,
+    _torch_device,
     _torch_gradients,
     _torch_partials,
     _torch_replicas,
@@ -56,10 +58,15 @@ from ._torch_gradients import FLOAT_DTYPES
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = [
+    "AGC",
     "FLOAT_DTYPES",
+    "AutoClip",
+    "ZClip",
+    "check",
     "check_replicas",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "clip_groups_",
     "explain",
     "get_total_norm",
 ]
@@ -77,6 +84,9 @@ class _Mpi(drivers.Mpi):
         return layout.Group(layout._members(entry, self.comm, index), entry.Get_rank())
 
 
+_T = TypeVar("_T")
+
+
 class _TorchGroup:
     """A torch.distributed process group: the same program, its header all-reduced by torch."""
 
@@ -89,7 +99,7 @@ class _TorchGroup:
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def run(self, program: engine.Program) -> tuple[float, float]:
+    def run(self, program: Generator[engine.Reduce | engine.Gather, Any, _T]) -> _T:
         return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
@@ -131,11 +141,26 @@ def _is_process_group(comm: Any) -> bool:
     return dist.is_available() and isinstance(comm, dist.ProcessGroup)
 
 
-def _world(comm: Any) -> _Mpi | _TorchGroup:
+class _Lone:
+    """One process, no communicator (a compiled call outside any job)."""
+
+    rank, size = 0, 1
+
+
+_LONE = _Lone()
+
+
+def _world(comm: Any) -> _Mpi | _TorchGroup | _Lone:
     """What to clip over; a one-line error otherwise (the same on every rank: no collective yet)."""
     if comm is None:
         if dist.is_available() and dist.is_initialized():
             return _TorchGroup(dist.group.WORLD)
+        if torch.compiler.is_compiling():  # mpi4py cannot be traced: one process, or refused
+            if _mpi_world_size() > 1:
+                raise GclipValueError(
+                    "under torch.compile, gclip.torch clips over torch.distributed, not MPI"
+                )
+            return _LONE
         return _Mpi(_mpi_world())
     if _is_process_group(comm):
         return _TorchGroup(comm)
@@ -148,6 +173,11 @@ def _world(comm: Any) -> _Mpi | _TorchGroup:
     raise GclipTypeError(
         f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, got {type(comm).__name__}"
     )
+
+
+@torch.compiler.assume_constant_result
+def _mpi_world_size() -> int:
+    return int(_mpi_world().Get_size())
 
 
 def _mpi_world() -> Any:
@@ -171,12 +201,34 @@ def _run(
 ) -> torch.Tensor:
     """One call of the engine (``gclip.engine``), run over ``comm``, the gradients scaled in place
     unless ``max_norm`` is ``engine.NO_LIMIT``: the global norm as torch returns it, a 0-d tensor
-    on the first gradient's device (in float64)."""
+    on the first gradient's device (in float64). Tensors on an accelerator (and calls under
+    torch.compile) take the sync-free path (``_torch_device``)."""
     world = _world(comm)
+    if isinstance(items, Iterable) and not isinstance(items, (torch.Tensor, list, tuple, str, bytes)):
+        items = list(items)  # a generator: read once, here (anything else: the checks say what it is)
+    _torch_device.check()  # a failure the device path has not raised yet: raised here
 
     def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
         return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
+    listed = items if isinstance(items, (list, tuple)) else [items]
+    if _torch_device.eligible(
+        world,
+        listed,
+        settings.get("norm_type", 2.0),
+        bool(settings.get("reproducible", False)),
+        bool(settings.get("error_if_nonfinite", False)),
+    ):
+        return _torch_device.clip(
+            world,
+            items,
+            max_norm,
+            backend,
+            replicated=replicated,
+            counting=counting,
+            inplace=bool(settings.get("inplace", False)),
+            norm_type=settings.get("norm_type", 2.0),
+        )
     args = engine.check(
         items,
         max_norm,
@@ -187,7 +239,8 @@ def _run(
         counting=counting,
         **settings,
     )
-    norm, scale = world.run(engine.program(args))
+    driver: Any = world  # (a lone compiled call always takes the device path)
+    norm, scale = driver.run(engine.program(args))
     if max_norm is not engine.NO_LIMIT:
         args.grads.scaled(scale, True)
     device = args.arrays[0].device if args.arrays else "cpu"
@@ -197,6 +250,12 @@ def _run(
 
 # ---------------------------------------------------------------------------
 # the API (torch's signatures, gclip's keyword-only extras)
+
+
+def check() -> None:
+    """Raise, on every rank together, a failure of the sync-free path not raised yet (on an
+    accelerator it is raised at the latest by the next call). See ``gclip._torch_device``."""
+    _torch_device.check()
 
 
 @torch.no_grad()
@@ -253,8 +312,10 @@ def clip_grads_with_norm_(
     ``+ 1e-6``; an inf or NaN norm leaves the gradients untouched). Local: no
     communication; pass the global norm from :func:`get_total_norm`.
     """
+    if _is_inf(max_norm):
+        return  # no limit: nothing to scale (as torch's clip with max_norm=inf)
     scale = clip.clip_scale(total_norm, max_norm)
-    grads = _torch_gradients.gradients(parameters, None, of_parameters=True).tensors
+    grads = _torch_gradients.gradients(parameters, None, of_parameters=True, reduce=False).scaled_tensors
     _torch_partials.multiply_by(grads, scale, foreach)
 
 
@@ -269,6 +330,7 @@ def clip_grad_norm_(
     comm: Any = None,
     replicated: Sequence[Any] | None = None,
     reproducible: bool = False,
+    scaler: Any = None,
 ) -> torch.Tensor:
     """Clip the gradients of every rank's parameters by their GLOBAL norm, in place.
 
@@ -281,28 +343,70 @@ def clip_grad_norm_(
     NonFiniteNormError on every rank).
 
     Args:
-        max_norm: the limit, finite and >= 0 (a number, or a tensor of one value).
+        max_norm: the limit, >= 0 (a number, or a tensor of one value); ``inf``: the norm
+            alone, nothing scaled (as torch, the usual way to log the norm).
         norm_type: p > 0, or inf / 'inf'.
         foreach: False scales tensor by tensor; None or True with torch's foreach kernels.
         comm, replicated, reproducible: as in :func:`get_total_norm` (one
             replicated entry per parameter given).
+        scaler: the ``torch.amp.GradScaler`` whose ``unscale_(optimizer)`` came just before:
+            every rank's ``found_inf`` rides in the norm's header (no collective of its own) and
+            comes back agreed, so ``scaler.step`` skips, and ``scaler.update`` backs off, on
+            every rank together (see docs/torch.md, "AMP").
 
     Returns:
-        The global norm before clipping: a float64 0-d tensor on the first
-        gradient's device, the same value on every rank.
+        The global norm before clipping: a float64 0-d tensor (a plain tensor, also for
+        DTensor gradients) on the first gradient's device, the same value on every rank.
     """
-    backend = _torch_gradients.backend(True, foreach)
-    return _run(
-        parameters,
-        max_norm,
-        backend,
-        comm=comm,
-        replicated=replicated,
-        norm_type=norm_type,
-        error_if_nonfinite=error_if_nonfinite,
-        reproducible=reproducible,
-        inplace=True,
-    )
+    limit = engine.NO_LIMIT if _is_inf(max_norm) else max_norm
+    found = _found_infs(scaler)
+    if found:
+        probe = torch.stack([f.to(found[0].device, torch.float64).reshape(()) for f in found]).sum()
+        probe = torch.where(probe > 0, math.inf, 0.0).reshape(1)  # no host read
+        backend = _torch_gradients.probed_backend(foreach, probe)
+    else:
+        backend = _torch_gradients.backend(True, foreach)
+    settings = {
+        "norm_type": norm_type,
+        "error_if_nonfinite": error_if_nonfinite,
+        "reproducible": reproducible,
+    }
+    norm = _run(parameters, limit, backend, comm=comm, replicated=replicated, inplace=True, **settings)
+    for f in found:  # the agreed verdict: a non-finite global norm is found_inf on every rank
+        f.copy_(torch.where(torch.isfinite(norm).to(f.device), f, torch.ones_like(f)))
+    return norm
+
+
+def _is_inf(max_norm: Any) -> bool:
+    """max_norm = +inf (a number or a one-value tensor): the norm alone, as torch allows."""
+    try:
+        return isinstance(max_norm, (int, float, torch.Tensor)) and float(max_norm) == math.inf
+    except (TypeError, ValueError, RuntimeError):
+        return False  # not one number: refused by the checks, on every rank together
+
+
+def _found_infs(scaler: Any) -> list[torch.Tensor]:
+    """The found_inf tensors of the optimizers ``scaler.unscale_`` has unscaled this step.
+
+    GradScaler has no public reader of them: this reads ``_per_optimizer_states`` (each
+    optimizer's stage and ``found_inf_per_device``), the state ``scaler.step`` and
+    ``scaler.update`` decide from, and writes the agreed verdict back into those tensors."""
+    if scaler is None:
+        return []
+    from torch.amp.grad_scaler import GradScaler, OptState
+
+    if not isinstance(scaler, GradScaler):
+        raise GclipTypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return []
+    states = scaler._per_optimizer_states.values()
+    found = [f for s in states if s["stage"] is OptState.UNSCALED for f in s["found_inf_per_device"].values()]
+    if not found:
+        raise GclipValueError(
+            "scaler=: no optimizer has been unscaled this step: call scaler.unscale_(optimizer) "
+            "before the clip, as torch's AMP recipe does"
+        )
+    return found
 
 
 # ---------------------------------------------------------------------------
@@ -352,3 +456,9 @@ def check_replicas(
 from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
 
 clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)
+
+
+from .limits import _torch as _limits  # noqa: E402 - the limits' torch front ends, handed what they use
+
+_limits.use(_limits.Functions(get_total_norm, clip_grads_with_norm_, _world))
+AGC, AutoClip, ZClip, clip_groups_ = _limits.AGC, _limits.AutoClip, _limits.ZClip, _limits.clip_groups_

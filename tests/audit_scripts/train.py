@@ -12,9 +12,9 @@ step clips, each the way some real code did it:
 - per-stage:       torch's clip on each pipeline stage's parameters (torchtitan #596)
 - replicas-summed: the squares all-reduced over every rank, DDP replicas counted as shards
                    (twinkle PR #290)
-- never-scaled:    the norm computed on copies of the gradients, which are then "clipped" in
-                   their place (transformers #46113: gradients passed where parameters are
-                   expected)
+- never-scaled:    the norm of full copies of the gradients, then clip_grads_with_norm_ given
+                   the gradients where it expects parameters, so nothing is scaled
+                   (transformers #46113)
 - none:            no clip at all
 """
 
@@ -55,9 +55,11 @@ def clip(how: str, params: list[nn.Parameter], layout: str) -> None:
         sq = sum(p.grad.detach().double().pow(2).sum() for p in params)
         dist.all_reduce(sq)
         torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, sq.sqrt())
-    elif how == "never-scaled":
-        grads = [p.grad.detach().clone() for p in params]
-        torch.nn.utils.clip_grad_norm_(grads, MAX_NORM)  # tensors with no .grad: nothing scaled
+    elif how == "never-scaled":  # as transformers #46113 found it: the norm right, nothing scaled
+        grads = [p.grad for p in params]
+        local = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+        total = torch.nn.utils.get_total_norm(local)
+        torch.nn.utils.clip_grads_with_norm_(grads, MAX_NORM, total)  # gradients have no .grad
     elif how != "none":
         raise SystemExit(f"unknown --clip {how}")
 

@@ -282,7 +282,9 @@ class Auditor:
             if before is None:  # no backward left it: nothing to compare with
                 before = after._replace(sumsq=0.0)
             scale, uniform = capture.factor(before, after)
-            piece = verdict.Piece(holders, copies, before.sumsq, before.count, scale, uniform, before.dtype)
+            piece = verdict.Piece(
+                holders, copies, before.sumsq, before.count, scale, uniform, before.dtype, _is_dtensor(p.grad)
+            )
             pieces.append(piece)
             self._audited[id(p)] = self._backward
         stage = self._stage(params)

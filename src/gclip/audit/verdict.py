@@ -10,9 +10,10 @@ squares as backward left it, its size and the factor the optimizer's gradient is
 - the norm each candidate clip computes on each rank: the correct one, the gallery's bugs of
   how norms combine (``gclip.gallery.BUGS``: per-rank, rank 0's, the sum, mean or largest of
   the local norms, the RMS), the layout bugs a training script shows (``gclip.gallery.LAYOUT_BUGS``:
-  replicas summed, stages apart) and the never-scaled step; the scales those norms give, as
-  exactly (``min(1, max_norm / norm)``), with torch's epsilon (``norm + 1e-6``), or to float32's
-  rounding, are compared with the applied ones, as ``gclip.testing.diagnose`` grades a step.
+  replicas summed, stages apart) and the never-scaled step (``gclip.gallery.USAGE_BUGS``); the
+  scales those norms give, as exactly (``min(1, max_norm / norm)``), with torch's epsilon
+  (``norm + 1e-6``), or to float32's rounding, are compared with the applied ones, as
+  ``gclip.testing.diagnose`` grades a step.
 
 Grades as the judge's: ``pass`` (the correct scale, to the gradients' rounding), ``near miss``
 (the correct norm through torch's epsilon or float32 rounding), ``fail`` (a bug's name, or
@@ -46,6 +47,7 @@ class Piece(NamedTuple):
     scale: float | None  # the factor the optimizer's gradient is of it (None: it was zero)
     uniform: bool  # every value got that factor
     dtype: str
+    placed: bool = False  # a DTensor's local piece (its placements say who holds copies)
 
 
 class Row(NamedTuple):
@@ -59,23 +61,7 @@ class Row(NamedTuple):
     holds: str = ""  # what its gradients are: "6 DTensor (Shard(dim=0),) on mesh (4,)", "4 DDP"...
 
 
-class NewBug(NamedTuple):
-    """A bug the audit names that the gallery does not hold yet."""
-
-    name: str
-    summary: str
-    incident: str
-    explanation: str
-
-
-NEVER_SCALED = NewBug(
-    "never-scaled",
-    "the norm computed, but no gradient scaled",
-    "transformers #46113 (the Trainer's DTensor clip passes the gradients where parameters are "
-    "expected, so no gradient is ever scaled)",
-    "The clip computes (and logs) the norm, then scales tensors that are not the gradients the "
-    "optimizer reads: every step above max_norm goes out unclipped, as if clipping were off.",
-)
+NEVER_SCALED = "never-scaled"  # the gallery's usage bug: the norm right, no gradient scaled
 
 
 class StepReport(NamedTuple):
@@ -133,9 +119,8 @@ def _same(a: float | None, b: float | None, rtol: float) -> bool:
 
 
 def _card(name: str) -> Any:
-    if name == NEVER_SCALED.name:
-        return NEVER_SCALED
-    return gallery.STRATEGIES.get(name) or gallery.LAYOUT_BUG_NAMES[name]
+    found = gallery.STRATEGIES.get(name) or gallery.LAYOUT_BUG_NAMES.get(name)
+    return found or gallery.USAGE_BUG_NAMES[name]
 
 
 def candidate_norms(rows: Sequence[Row]) -> dict[str, list[float]]:
@@ -150,10 +135,24 @@ def candidate_norms(rows: Sequence[Row]) -> dict[str, list[float]]:
         out["pp-stages-apart"] = [
             math.sqrt(math.fsum(own[q] for q in range(size) if stages[q] == stages[r])) for r in range(size)
         ]
-    kinds = {p.copies for row in rows for p in row.pieces if len(p.holders) > 1}
-    if kinds:  # every copy counted: replicas (DDP, HSDP) or TP duplicates summed as if shards
+    # every copy counted: replicas (DDP, HSDP) or TP duplicates summed as if shards; all of
+    # them, or only the plain tensors' (declared shards), the DTensors read from their placements
+    for plain_only in (False, True):
+        summed = [(p, row.rank) for row in rows for p in row.pieces if not (plain_only and p.placed)]
+        kinds = {p.copies for p, _ in summed if len(p.holders) > 1}
+        if not kinds:
+            continue
         name = "dp-replicas-summed" if "dp" in kinds else "tp-duplicates-summed"
-        out[name] = [math.sqrt(math.fsum(every))] * size
+        total = math.fsum(p.sumsq for p, r in summed) + math.fsum(
+            p.sumsq
+            for row in rows
+            for p in row.pieces
+            if plain_only and p.placed and p.holders[0] == row.rank
+        )
+        if name not in out:
+            out[name] = [math.sqrt(total)] * size
+        else:
+            out[f"{name} (plain tensors)"] = [math.sqrt(total)] * size
     norms = [math.sqrt(o) for o in own]
     count = sum(p.count for row in rows for p in row.pieces if p.holders[0] == row.rank)
     out["rank0-norm"] = [norms[0]] * size
@@ -230,7 +229,7 @@ def grade_step(step: int, rows: Sequence[Row], max_norm: float | None, given: bo
         grade, fingerprint, matches, benign = _match(norms, scales, split, max_norm, tol, loose)
         if grade == "fail" and clipped and unchanged and split is None:
             # a bug whose norm is within max_norm leaves the step alone too: named beside it
-            fingerprint, matches, benign = NEVER_SCALED.name, [NEVER_SCALED.name, *matches], ()
+            fingerprint, matches, benign = NEVER_SCALED, [NEVER_SCALED, *matches], ()
     implied_norms = [implied.implied_norm(s, max_norm) if max_norm is not None else None for s in scales]
     report = StepReport(
         step,
@@ -294,6 +293,7 @@ def _match(
                 return "pass", None, ["global"], ()
             return "near miss", "epsilon", ["epsilon"], tuple(e for e in extra if e != EPSILON)
         found = [name for name in norms if name in shows and fits(norms[name], eps, rtol)]
+        found = list(dict.fromkeys(name.split(" (")[0] for name in found))  # a variant is its bug
         if found:
             return "fail", found[0], found, extra
     return "fail", "unknown", [], ()

@@ -313,8 +313,8 @@ def _bug_name(names: Sequence[str]) -> Any:
 
 
 USAGE_SEE = (
-    "docs/torch.md, 'Two usage bugs of the gallery', and python -m pytest -v tests/test_torch_usage_bugs.py "
-    "(each one with plain torch, then with gclip.torch)"
+    "docs/torch.md, 'Three usage bugs of the gallery', and "
+    "python -m pytest -v tests/test_torch_usage_bugs.py (each one with plain torch, then with gclip.torch)"
 )
 
 

@@ -15,8 +15,10 @@ __all__ = ["USAGE_BUGS", "USAGE_BUG_NAMES", "UsageBug"]
 class UsageBug:
     """A bug in how a training loop calls the clip: the norm and the scale are
     right, but the gradients they see are not the ones the step uses (still
-    multiplied by the loss scale), or are gone (a generator already read).
-    tests/test_torch_usage_bugs.py shows each with plain torch and with gclip.torch.
+    multiplied by the loss scale), are gone (a generator already read), or are not the
+    ones scaled (copies, or gradients passed where parameters are expected).
+    tests/test_torch_usage_bugs.py shows each with plain torch and with gclip.torch;
+    ``gclip.audit`` names the last two ``never-scaled`` in a real step.
     """
 
     name: str
@@ -43,6 +45,17 @@ USAGE_BUGS: tuple[UsageBug, ...] = (
         "model.parameters() left the gradients unscaled)",
         "model.parameters() is a generator: the pass that computes the norm exhausts it, so the pass "
         "that scales finds no parameter and silently does nothing. Read the parameters into a list once.",
+    ),
+    UsageBug(
+        "never-scaled",
+        "the norm computed, but no gradient scaled: the scale goes to tensors the optimizer never reads",
+        "huggingface/transformers PR #46113 (its DTensor clip_grad_norm passes the gradients to "
+        "clip_grads_with_norm_, which expects parameters: the reported norm is right, no gradient is "
+        "ever scaled)",
+        "clip_grads_with_norm_ (and clip_grad_norm_) take parameters and scale each one's .grad. Given "
+        "the gradients themselves, or copies of them, it finds no .grad and returns silently: the norm "
+        "is logged, every step above max_norm goes out unclipped, as if clipping were off. Pass the "
+        "parameters.",
     ),
 )
 

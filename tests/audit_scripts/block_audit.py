@@ -1,6 +1,6 @@
 """gclip.testing.audit around the steps of a test's own loop (run by tests/test_audit.py).
 
-    torchrun --nproc-per-node 4 in_a_test.py OUT_DIR
+    torchrun --nproc-per-node 4 block_audit.py OUT_DIR
 
 FSDP2 on 4 ranks; two blocks: torch's clip (right on FSDP2) must pass, a per-rank clip must
 raise AssertionError naming the bug, on every rank alike. Each rank writes what it saw.

@@ -1,0 +1,98 @@
+"""ZClip, AutoClip and AGC make the same decisions on PyTorch's layouts as on one process
+(tests/torch_adaptive_check.py, 4 torchrun CPU processes, gloo, 100 steps with spikes).
+
+Oracles: with ``reproducible=True`` the layout's limits equal, bit for bit, those of the
+same clipper on one process over the whole model's full gradients; the test's
+transcriptions of the reference rules (tests/unit/test_adaptive.py), fed math.fsum's
+norm of the full gradients, make the same decisions. A ZClip state saved by the FSDP2 job
+is loaded by the HSDP job, which continues as the reference does from that state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
+
+from torch_jobs import ROOT, job_env, run_job, torchrun_cmd  # noqa: E402
+from unit.test_limits import ReferenceZClip  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+SCRIPT = str(ROOT / "tests" / "torch_adaptive_check.py")
+RANKS = 4
+
+
+def job(layout: str, outdir, state=None) -> list[dict]:
+    args = [SCRIPT, layout, str(outdir), *([str(state)] if state else [])]
+    done = run_job(torchrun_cmd(RANKS, *args), env=job_env())
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_then_hsdp(tmp_path_factory):
+    first = tmp_path_factory.mktemp("fsdp")
+    second = tmp_path_factory.mktemp("hsdp")
+    return job("fsdp", first), job("hsdp", second, first / "zclip_state.pt"), first / "zclip_state.pt"
+
+
+def same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def check(every: list[dict], reference: ReferenceZClip) -> None:
+    for r in every:  # per-group limits: each group's norm, from one all-reduce
+        g = r["groups"]
+        assert g["all_reduces"] == 1, g
+        assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(g["norms"], g["oracle"])), g
+        assert math.isclose(g["after"][0], g["oracle"][0] / 3, rel_tol=1e-6), g  # clipped to its limit
+        assert g["after"][1] == g["oracle"][1], g  # reported, untouched
+    steps = every[0]["steps"]
+    for r in every[1:]:  # every rank made the same decisions
+        assert [s["zclip"] for s in r["steps"]] == [s["zclip"] for s in steps]
+        assert [s["autoclip"] for s in r["steps"]] == [s["autoclip"] for s in steps]
+    history, z_clipped, a_clipped = [], 0, 0
+    for t, s in enumerate(steps):
+        z, a, oracle = s["zclip"], s["autoclip"], s["oracle"]
+        # bit for bit: the layout against one process (reproducible=True)
+        assert z["norm"] == z["norm_one"] and same(z["limit"], z["limit_one"]), (t, z)
+        assert a["norm"] == a["norm_one"] and a["limit"] == a["limit_one"], (t, a)
+        assert abs(z["norm"] - oracle) <= 1e-13 * oracle
+        # the reference rules, on the oracle's norm
+        limit, _ = reference.step(oracle)
+        ours = z["limit"] if z["limit"] < z["norm"] else None  # the limit bites only below the norm
+        assert (ours is None) == (limit is None), (t, z, limit)
+        if limit is not None:
+            z_clipped += 1
+            assert math.isclose(ours, limit, rel_tol=1e-12)
+        history.append(oracle)
+        auto = float(np.percentile(history, 20.0))
+        assert math.isclose(a["limit"], auto, rel_tol=1e-12)
+        a_clipped += a["norm"] > a["limit"]
+        # AGC: the layout's clipped full gradients are one process's (float32 pieces)
+        np.testing.assert_allclose(s["agc_layout"], s["agc_one"], rtol=1e-6, atol=0)
+    assert z_clipped >= 5 and a_clipped >= 5  # the spikes were clipped
+    assert all(s["agc_changed"] > 0 for s in steps)  # AGC clipped some units on every step
+    assert every[0]["mean"] == every[0]["mean_one"] and every[0]["var"] == every[0]["var_one"]
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp_fsdp"])
+def test_adaptive_clippers_decide_on_the_layout_as_on_one_process(layout, tmp_path):
+    check(job(layout, tmp_path), ReferenceZClip(max_grad_norm=None))
+
+
+def test_fsdp2_as_on_one_process(fsdp_then_hsdp):
+    check(fsdp_then_hsdp[0], ReferenceZClip(max_grad_norm=None))
+
+
+def test_a_state_saved_on_fsdp2_continues_on_hsdp_with_the_references_decisions(fsdp_then_hsdp):
+    _, hsdp, state_file = fsdp_then_hsdp
+    saved = torch.load(state_file)
+    reference = ReferenceZClip(max_grad_norm=None)
+    reference.initialized, reference.mean, reference.var = True, float(saved["mean"]), float(saved["var"])
+    check(hsdp, reference)
