@@ -219,21 +219,11 @@ def _hints(case: DistCase, run: CaseRun) -> list[str]:
     return lines + _split_lines(case, run)
 
 
-def _nothing_to_clip(ranks: Sequence[np.ndarray]) -> bool:
-    return sum(a.size for a in ranks) == 0
-
-
 def _skip_signature(cases: Sequence[DistCase], runs: Sequence[CaseRun]) -> bool:
-    """Every hang is ranks that had nothing to clip returning before the others' collective."""
-    hung = [i for i, run in enumerate(runs) if run.lost is not None]
-    if not hung:
-        return False
-    for i in hung:
-        run = runs[i]
-        empty = tuple(r for r, arrays in enumerate(cases[i].ranks) if _nothing_to_clip(arrays))
-        if run.lost_kind != "skipped" or not empty or run.culprits != empty:
-            return False
-    return True
+    """Every hang is ranks returning before a collective the others entered: ranks with nothing
+    to clip that return early, or a collective called on some ranks only (``if rank == 0``)."""
+    hung = [run for run in runs[: len(cases)] if run.lost is not None]
+    return bool(hung) and all(run.lost_kind == "skipped" and run.culprits for run in hung)
 
 
 def fingerprint(

@@ -56,7 +56,7 @@ def rank_cases(
     # each bug as real code writes it too: with torch's epsilon, in float32, or both
     # (torch's own clip_grad_norm_ on each rank's shard is per-rank with both)
     for name in gallery:
-        has_epsilon = STRATEGIES[name].epsilon > 0 if name in STRATEGIES else True
+        has_epsilon = STRATEGIES[name].has_epsilon if name in STRATEGIES else True
         gallery[name] = [_variants(c, out, has_epsilon) for c, out in zip(cases, gallery[name])]
     # fp16-sumsq with the all-reduce in float16 too (a float16 norm all-reduced as it is):
     # the total overflows where each rank's share does not
@@ -73,7 +73,7 @@ def _wiped_if_total_overflows(case: RankCase, view: DistCase, outputs: Any) -> A
     return (*outputs, Variant(wiped, (FLOAT16_TOTAL,)))
 
 
-def _variants(case: RankCase, outputs: Any, has_epsilon: bool) -> Any:
+def _variants(case: RankCase | DistCase, outputs: Any, has_epsilon: bool) -> Any:
     """A bug's outputs, then the same with torch's epsilon, in float32, and both."""
     if outputs is None:
         return None
@@ -91,7 +91,9 @@ def _bug_outputs(case: RankCase, name: str) -> list[list[np.ndarray]]:
     return [list(r.grads) for r in clip_simulated(case.ranks, case.max_norm, mode=name)]
 
 
-def _with_epsilon(case: RankCase, outputs: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
+def _with_epsilon(
+    case: RankCase | DistCase, outputs: Sequence[Sequence[np.ndarray]]
+) -> list[list[np.ndarray]]:
     """A bug's outputs had it divided by its norm + 1e-6, as torch and Megatron-LM do: each rank
     that scaled by max_norm / n scales by max_norm / (n + 1e-6) instead (read off the outputs)."""
     out = []
@@ -135,7 +137,18 @@ def _layout_cases(
         name: [_try(lambda c=c, name=name: layout_cases.simulate(c, shape, name)) for c in cases]
         for name in gallery_names(layout=True)
     }
+    # as in the rank form: each bug also with torch's epsilon, in float32, or both
+    for name, outputs in gallery.items():
+        has_epsilon = STRATEGIES[name].has_epsilon if name in STRATEGIES else False
+        gallery[name] = [_layout_variants(v, out, has_epsilon) for v, out in zip(views, outputs)]
     return cases, views, gallery
+
+
+def _layout_variants(view: DistCase, outputs: Any, has_epsilon: bool) -> Any:
+    """A layout bug's outputs (one per-rank list, or a tuple of readings) with their variants."""
+    if isinstance(outputs, tuple):
+        return tuple(v for reading in outputs for v in (_variants(view, reading, has_epsilon) or ()))
+    return _variants(view, outputs, has_epsilon)
 
 
 def _layout_pairs(shape: dict[str, int], cases: list[Any]) -> dict[str, list[Any]]:

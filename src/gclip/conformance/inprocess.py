@@ -59,11 +59,8 @@ class _Watchdog(threading.Thread):
     run. Without a shared folder the watchdogs swap their traces over MPI.
     """
 
-    def __init__(
-        self, comm: Any, timeout: float, name: str, folder: str | None, empty: list[tuple[int, ...]]
-    ) -> None:
+    def __init__(self, comm: Any, timeout: float, name: str, folder: str | None) -> None:
         super().__init__(daemon=True)
-        self.empty = empty  # per case: the ranks with nothing to clip (skip-collective's culprits)
         self.comm = comm  # a communicator of the watchdogs alone
         self.timeout = timeout
         self.name_of_fn = name
@@ -162,8 +159,8 @@ class _Watchdog(threading.Thread):
         else:
             stuck = hangs.explain(traces, self.timeout)
             message = f"{head}: {stuck.reason}"
-            # as the command names it: a skip by exactly the ranks that had nothing to clip
-            if stuck.kind == "skipped" and stuck.culprits and stuck.culprits == self.empty[case]:
+            # as the command names it: ranks that returned before a collective the others entered
+            if stuck.kind == "skipped" and stuck.culprits:
                 message += " (fingerprint: skip-collective, a rank returned before the all-reduce)"
         if traces is None or self._first_to_say():
             text = message + "; aborting the job: the collective can never complete\n"
@@ -236,8 +233,7 @@ def conforms(
     side, watch = comm.Dup(), comm.Dup()
     user = recorder.recorded(comm.Dup())
     folder = _shared_folder(side)
-    empty = [tuple(r for r, arrays in enumerate(c.ranks) if sum(a.size for a in arrays) == 0) for c in cases]
-    dog = _Watchdog(watch, timeout, name, folder, empty)
+    dog = _Watchdog(watch, timeout, name, folder)
     previous = recorder.current()
     rec = recorder.install(recorder.Recorder(dog.sink))
     restore_world = recorder.record_world()  # fn's MPI.COMM_WORLD records too, while it is judged

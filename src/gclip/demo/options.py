@@ -47,7 +47,13 @@ MAX_SIMULATED = 64  # --ranks R: simulated ranks in one process
 # it, and its numbers could not be read against the L2 local norms the others are read against.
 # Nor nan-mask, which shows only on data of its own (every value NaN names it). The bugs added to the
 # gallery later (ADDED) stay out of both pools: the seeds already handed out keep their mysteries.
-ADDED = ("nan-mask", "expert-tp-shards-dropped", "dense-expert-apart", "duplicates-on-mp-rank0-only")
+ADDED = (
+    "nan-mask",
+    "expert-tp-shards-dropped",
+    "dense-expert-apart",
+    "duplicates-on-mp-rank0-only",
+    "epsilon-per-rank",
+)
 MYSTERY_POOL = tuple(b.name for b in BUGS if b.name != "inf-pow" and b.name not in ADDED)
 
 

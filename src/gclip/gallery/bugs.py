@@ -11,6 +11,8 @@ and local sums:
                      local norm (``NORM``), which ``norm_op`` combines (SUM or MAX).
 ``finish_norm``      combined number -> the norm (sqrt, divide by the count...).
 ``epsilon``          the scale is ``max_norm / (norm + epsilon)``.
+``local_epsilon``    added to each rank's own norm before the norms combine (as the p-norm of
+                     the ranks' norms): a DTensor's Partial norm plus a Python float.
 ``count_replicated`` replicated tensors are counted on every rank.
 ``accumulate``       the dtype the local sum of squares is accumulated in.
 ``untouched_if_nonfinite`` gclip leaves gradients alone when the norm is inf/NaN;
@@ -105,6 +107,7 @@ class Strategy:
     share: Share = Share.POWER
     finish_norm: Callable[..., float] = field(default=exact_norm, repr=False)
     epsilon: float = 0.0
+    local_epsilon: float = 0.0  # each rank's norm + this, then the p-norm of the ranks' norms
     count_replicated: bool = False
     accumulate: Accumulate = Accumulate.FLOAT64
     norm_op: NormOp = NormOp.SUM  # with share NORM: how local norms combine
@@ -131,6 +134,11 @@ class Strategy:
     def enters(self, rank: int) -> bool:
         """Does this rank's partial enter the combine? (scope root: rank 0's only)."""
         return self.scope is Scope.ALL or (self.scope is Scope.ROOT and rank == 0)
+
+    @property
+    def has_epsilon(self) -> bool:
+        """Does this bug add an epsilon of its own (so torch's is not added again)?"""
+        return self.epsilon > 0 or self.local_epsilon > 0
 
     @property
     def finishes(self) -> bool:
@@ -297,6 +305,18 @@ BUGS: tuple[Strategy, ...] = (
         total_dtype="float32",
         nan_if_nonfinite=True,
         data_scale=1e18,
+    ),
+    Strategy(
+        "epsilon-per-rank",
+        "torch's 1e-6 added to each rank's own norm of a Partial norm, not once to the total",
+        incident="pytorch #149768 (FSDP2/DTensor: in clip_coef = max_norm / (total_norm + 1e-6) each "
+        "rank adds 1e-6 to its local value of the Partial norm instead of adding it once; closed, "
+        "torch 2.13 reduces the norm before the add)",
+        explanation="The Partial norm's ranks each hold their own norm n_r; adding 1e-6 to it on every "
+        "rank before the reduction gives sqrt(sum (n_r + 1e-6)^2), up to sqrt(R) x 1e-6 above the norm: "
+        "torch's epsilon counted up to sqrt(R) times. The scale is the same on every rank and off only by "
+        "~sqrt(R) x 1e-6 / norm: far off only for tiny norms.",
+        local_epsilon=TORCH_EPS,
     ),
 )
 

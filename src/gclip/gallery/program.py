@@ -97,6 +97,8 @@ def program(
             error = exc
     enters = bug.enters(rank)
     in_header = bug.share is Share.POWER and enters
+    if bug.local_epsilon and error is None:  # each rank's norm + epsilon, then their p-norm
+        part = _plus_epsilon(part, bug.local_epsilon, p)
     total = yield from engine.header(
         error,
         _with_mode(spec, "unknown" if refused else bug.name),
@@ -152,13 +154,24 @@ def _local(bug: Strategy, args: engine.Arguments, sums: Any) -> _Part:
     if math.isinf(p):
         top, nan = sums.max_abs(counted)
         return _Part(counted, count, top, nan=nan, norm=math.nan if nan else top)
-    if args.spec.reproducible:
+    if args.spec.reproducible and not bug.local_epsilon:
         binned = partials.BinnedPowerSum(p)
         digits = sums.binned_digits(binned, counted)
         mant, exp = binned.power(digits)
         return _Part(counted, count, _ldexp(mant, int(p) * exp), digits=digits, norm=root(mant, exp, p))
     power, rescue, norm = engine.local_norm(counted, p, sums)
     return _Part(counted, count, power, rescue, norm=norm)
+
+
+def _plus_epsilon(part: _Part, epsilon: float, p: float) -> _Part:
+    """This rank's part with ``epsilon`` added to its own norm: what it contributes to the
+    combine is (norm + epsilon) ** p (its norm + epsilon, for the inf-norm's MAX)."""
+    norm = part.norm + epsilon
+    if math.isinf(p) or not math.isfinite(norm):
+        return part._replace(power=part.power + epsilon if math.isinf(p) else part.power)
+    with np.errstate(over="ignore"):
+        power = float(np.float64(norm) ** p)
+    return part._replace(power=power, rescue=not math.isfinite(power))
 
 
 @functools.lru_cache(maxsize=64)
