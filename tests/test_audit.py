@@ -85,6 +85,15 @@ def test_a_wrong_clip_is_named(tmp_path, layout, how, bug):
         assert all(abs(n / s["global_norm"] - 2.0) <= 1e-5 for s in steps for n in s["implied_norms"])
 
 
+def test_a_dtensor_norm_read_with_item_is_per_rank_and_said_so(tmp_path):
+    """pytorch #144054: .item() of a DTensor's Partial norm is the local shard's (torch 2.13 too),
+    so a clip by it is per-rank; the audit says how code gets there on DTensors."""
+    steps, oracle, text = audit(tmp_path, "fsdp2", "shard-item", "--max-norm", "0.2")
+    check_numbers(steps, oracle)
+    assert all(s["grade"] == "fail" and s["fingerprint"] == "per-rank" for s in steps)
+    assert "verdict: wrong: per-rank" in text and "pytorch #144054" in text
+
+
 def test_steps_limits_the_audit_and_an_unclipped_step_says_so(tmp_path):
     steps, oracle, text = audit(tmp_path, "ddp", "none", "--steps", "1")
     assert len(steps) == 1 and steps[0]["grade"] == "pass" and not steps[0]["clipped"]

@@ -155,6 +155,18 @@ def test_epsilon(data):
     assert LIMIT * (1 - 2e-6 / data.norm) < norm(clipped) < LIMIT
 
 
+def test_epsilon_per_rank(data):
+    says("epsilon-per-rank", "sqrt(sum (n_r + 1e-6)^2), up to sqrt(R) x 1e-6 above the norm",
+         "The scale is the same on every rank")  # fmt: skip
+    res, clipped = data.run("epsilon-per-rank")
+    used = math.sqrt(math.fsum((n + 1e-6) ** 2 for n in data.local))  # each rank's norm + 1e-6
+    assert {r.scale for r in res} == {res[0].scale}
+    assert res[0].total_norm == pytest.approx(used, rel=1e-12)
+    assert data.norm < used <= data.norm + math.sqrt(data.ranks) * 1e-6 * (1 + 1e-9)
+    assert res[0].scale == pytest.approx(LIMIT / used, rel=1e-12)
+    assert norm(clipped) < LIMIT
+
+
 def test_double_count(data):
     says("double-count", "enter the all-reduce R times", "counted R times over")
     res, clipped = data.run("double-count")

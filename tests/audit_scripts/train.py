@@ -15,6 +15,9 @@ step clips, each the way some real code did it:
 - never-scaled:    the norm of full copies of the gradients, then clip_grads_with_norm_ given
                    the gradients where it expects parameters, so nothing is scaled
                    (transformers #46113)
+- shard-item:      each gradient's norm (a DTensor's is a Partial norm) read with .item(),
+                   which gives the local shard's (pytorch #144054; LlamaFactory PR #10640 clipped
+                   by it), then clip_grads_with_norm_ by that total: each rank by its own norm
 - none:            no clip at all
 """
 
@@ -60,6 +63,9 @@ def clip(how: str, params: list[nn.Parameter], layout: str) -> None:
         local = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
         total = torch.nn.utils.get_total_norm(local)
         torch.nn.utils.clip_grads_with_norm_(grads, MAX_NORM, total)  # gradients have no .grad
+    elif how == "shard-item":  # .item() of a Partial norm: this rank's shard only
+        total = math.sqrt(sum(torch.linalg.vector_norm(p.grad).item() ** 2 for p in params))
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, torch.tensor(total))
     elif how != "none":
         raise SystemExit(f"unknown --clip {how}")
 

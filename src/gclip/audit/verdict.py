@@ -62,6 +62,12 @@ class Row(NamedTuple):
 
 
 NEVER_SCALED = "never-scaled"  # the gallery's usage bug: the norm right, no gradient scaled
+# per-rank on DTensors: how code comes to it there (a DTensor's norm is a Partial norm)
+SHARD_ITEM = (
+    "  on DTensor gradients: each rank's norm is its local shard's, as .item() or .to_local() of a "
+    "DTensor's Partial norm reads it (pytorch #144054; LlamaFactory PR #10640 clipped by it): reduce "
+    "it first (.full_tensor())"
+)
 
 
 class StepReport(NamedTuple):
@@ -352,6 +358,8 @@ def _lines(d: StepReport, rows: Sequence[Row]) -> list[str]:
         if bug.incident:
             lines.append(f"  seen in: {bug.incident}")
         lines.append(f"  why it is wrong: {bug.explanation}")
+        if bug.name == "per-rank" and any(p.placed for row in rows for p in row.pieces):
+            lines.append(SHARD_ITEM)
         if len(d.matches) > 1:
             lines.append(f"  (this step cannot tell it from {', '.join(d.matches[1:])})")
     return lines
