@@ -1,6 +1,6 @@
 """DeepSpeed's ZeRO 1/2/3 on its CPU accelerator (gloo), its clip audited from the update.
 
-    DS_ACCELERATOR=cpu torchrun --nproc-per-node 4 fw_deepspeed.py --stage 1|2|3 [--json FILE]
+    DS_ACCELERATOR=cpu torchrun --nproc-per-node 4 fw_deepspeed.py --stage 0|1|2|3 [...] [--json FILE]
 
 ``gradient_clipping`` in the config: the ZeRO optimizer clips its own flat partitions
 inside ``engine.step()``, where no hook sees the gradients (gclip.audit.update). So the
@@ -59,38 +59,45 @@ def reference_grads(model: nn.Module, values: list[torch.Tensor], x: torch.Tenso
     return grads
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, default=1, choices=[0, 1, 2, 3])
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+def audit_stage(stage: int, out) -> int:
+    """Two steps of ZeRO-``stage``, each graded from its update; how many failed."""
     model = net()
     plain = copy.deepcopy(model)
     config = {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_clipping": MAX_NORM,
-        "zero_optimization": {"stage": args.stage},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,  # torch's SGD: DeepSpeed tests Adam-like ones
     }
     sgd = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=sgd, config=config)
     x, y = data("ddp")
     failed = 0
-    out = open(args.json, "w") if args.json and dist.get_rank() == 0 else None
     for step in range(2):
-        before = full_values(engine, args.stage)
+        before = full_values(engine, stage)
         reference = reference_grads(plain, before, x, y)
         engine.backward(nn.functional.mse_loss(engine(x), y))
         engine.step()
-        after = full_values(engine, args.stage)
-        holds = f"{len(before)} tensors under ZeRO-{args.stage} (read from the update)"
+        after = full_values(engine, stage)
+        holds = f"{len(before)} tensors under ZeRO-{stage} (read from the update)"
         report = grade_update(reference, before, after, lr=1.0, max_norm=MAX_NORM, step=step, holds=holds)
         failed += report.grade == "fail"
         if dist.get_rank() == 0:
             print(report, flush=True)
             if out is not None:
-                out.write(json.dumps(report.as_json()) + "\n")
+                out.write(json.dumps({**report.as_json(), "zero_stage": stage}) + "\n")
+    engine.destroy()
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, nargs="+", default=[1], choices=[0, 1, 2, 3])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = open(args.json, "w") if args.json and dist.get_rank() == 0 else None
+    failed = sum(audit_stage(stage, out) for stage in args.stage)
     if out is not None:
         out.close()
     dist.barrier()
