@@ -26,7 +26,7 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed
-import deepspeed.comm.torch  # noqa: F401 (the module: deepspeed.comm's attribute `torch` is torch)
+import deepspeed.comm.torch  # the module (deepspeed.comm's attribute `torch` is torch itself)
 import torch
 import torch.distributed as dist
 from layouts import MAX_NORM, data, net

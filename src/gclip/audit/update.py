@@ -50,9 +50,8 @@ def grade_update(
     holding identical copies of it (default: every rank, as a data-parallel model's);
     ``max_norm``: the limit the framework was configured with."""
     if not len(reference) == len(before) == len(after):
-        raise ValueError(
-            f"reference, before and after must list the same tensors: {len(reference)}, {len(before)}, {len(after)}"
-        )
+        counts = f"{len(reference)}, {len(before)}, {len(after)}"
+        raise ValueError(f"reference, before and after must list the same tensors: {counts}")
     if lr <= 0:
         raise ValueError(f"lr must be positive, got {lr}")
     size = dist.get_world_size() if dist.is_initialized() else 1
