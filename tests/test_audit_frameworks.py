@@ -98,8 +98,10 @@ ROWS = {
 
 # Optimizers that clip inside their own step, read from the update of plain SGD (lr 1):
 # the script runs under torchrun itself and writes the reports (gclip.audit.update)
-# (one process group for ZeRO 1, 2 and 3: most of a row's time is starting it)
-UPDATE_ROWS = {"deepspeed-zero123": ("deepspeed", "fw_deepspeed.py", ["--stage", "1", "2", "3"], [1, 2, 3])}
+# (one process group for no ZeRO and ZeRO 1, 2, 3: most of a row's time is starting it)
+UPDATE_ROWS = {
+    "deepspeed-zero0123": ("deepspeed", "fw_deepspeed.py", ["--stage", "0", "1", "2", "3"], [0, 1, 2, 3])
+}
 
 
 def _missing(module: str) -> bool:
