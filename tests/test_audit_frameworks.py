@@ -153,3 +153,19 @@ def test_update_row(row, tmp_path):
     job = run_job(cmd, env=job_env(PYTHONPATH=str(SCRIPTS), DS_ACCELERATOR="cpu"))
     steps = _check_steps(job, report, "pass", None, runs=len(stages))
     assert [s["zero_stage"] for s in steps] == [stage for stage in stages for _ in range(2)]
+
+
+def test_the_hooks_say_they_cannot_see_inside_zero(tmp_path):
+    """Under ZeRO the hooked optimizer is DeepSpeed's inner one, on flat partitions no backward
+    left: the audit must say it audited nothing (exit 1), not pass the steps as unclipped."""
+    if _missing("deepspeed"):
+        pytest.skip(f"deepspeed {EXTRA}")
+    from gclip.audit.auditor import UNSEEN
+
+    report = tmp_path / "audit.jsonl"
+    cmd = torchrun_cmd(RANKS, "-m", "gclip.audit", "--json", str(report), str(SCRIPTS / "fw_deepspeed.py"))
+    job = run_job([*cmd, "--stage", "1"], env=job_env(PYTHONPATH=str(SCRIPTS), DS_ACCELERATOR="cpu"))
+    text = job.stdout + job.stderr
+    assert exited(job, 1), text[-3000:]
+    assert text.count(UNSEEN) == 2, text[-3000:]  # each step, on rank 0
+    assert report.read_text() == "", text[-3000:]  # no step graded
