@@ -86,13 +86,46 @@ ROWS = {
         ["--layout", "fsdp-tp", "--clip", "gclip"],
         ("pass", None),
     ),
+    # Megatron-core's clip hard-codes CUDA: its norm allocates on "cuda" (the error below),
+    # its scaling asserts torch.cuda.FloatTensor gradients (checked too, in the test)
+    "megatron-tp-dp": (
+        "megatron.core",
+        "fw_megatron.py",
+        [],
+        ("error", "AssertionError: Torch not compiled with CUDA enabled"),
+    ),
 }
+
+# Optimizers that clip inside their own step, read from the update of plain SGD (lr 1):
+# the script runs under torchrun itself and writes the reports (gclip.audit.update)
+# (one process group for no ZeRO and ZeRO 1, 2, 3: most of a row's time is starting it)
+UPDATE_ROWS = {
+    "deepspeed-zero0123": ("deepspeed", "fw_deepspeed.py", ["--stage", "0", "1", "2", "3"], [0, 1, 2, 3])
+}
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a dotted name whose parent is absent
+        return True
+
+
+def _check_steps(job, report, kind: str, expected: str | None, runs: int = 1) -> list[dict]:
+    text = job.stdout + job.stderr
+    assert exited(job, 1 if kind == "fail" else 0), text[-3000:]
+    steps = [json.loads(line) for line in report.read_text().splitlines()]
+    assert len(steps) == 2 * runs, text[-3000:]
+    for step in steps:
+        assert step["clipped"] and step["max_norm"] == 0.2 and step["max_norm_from"] == "the clip call"
+        assert (step["grade"], step["fingerprint"]) == (kind, expected), text[-3000:]
+    return steps
 
 
 @pytest.mark.parametrize("row", list(ROWS))
 def test_framework_row(row, tmp_path):
     module, script, args, (kind, expected) = ROWS[row]
-    if importlib.util.find_spec(module) is None:
+    if _missing(module):
         pytest.skip(f"{module} {EXTRA}")
     report = tmp_path / "audit.jsonl"
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -103,10 +136,36 @@ def test_framework_row(row, tmp_path):
         assert job.returncode != 0
         said = [line for line in text.splitlines() if expected in line]
         assert len(said) >= RANKS, text[-3000:]  # each rank raised it
+        if module == "megatron.core":
+            refused = "megatron scaling refused: assert param.grad.type() == 'torch.cuda.FloatTensor'"
+            assert sum(refused in line for line in text.splitlines()) == RANKS, text[-3000:]
         return
-    steps = [json.loads(line) for line in report.read_text().splitlines()]
-    assert exited(job, 1 if kind == "fail" else 0), text[-3000:]
-    assert len(steps) == 2, text[-3000:]
-    for step in steps:
-        assert step["clipped"] and step["max_norm"] == 0.2 and step["max_norm_from"] == "the clip call"
-        assert (step["grade"], step["fingerprint"]) == (kind, expected), text[-3000:]
+    _check_steps(job, report, kind, expected)
+
+
+@pytest.mark.parametrize("row", list(UPDATE_ROWS))
+def test_update_row(row, tmp_path):
+    module, script, args, stages = UPDATE_ROWS[row]
+    if _missing(module):
+        pytest.skip(f"{module} {EXTRA}")
+    report = tmp_path / "audit.jsonl"
+    cmd = torchrun_cmd(RANKS, str(SCRIPTS / script), *args, "--json", str(report))
+    job = run_job(cmd, env=job_env(PYTHONPATH=str(SCRIPTS), DS_ACCELERATOR="cpu"))
+    steps = _check_steps(job, report, "pass", None, runs=len(stages))
+    assert [s["zero_stage"] for s in steps] == [stage for stage in stages for _ in range(2)]
+
+
+def test_the_hooks_say_they_cannot_see_inside_zero(tmp_path):
+    """Under ZeRO the hooked optimizer is DeepSpeed's inner one, on flat partitions no backward
+    left: the audit must say it audited nothing (exit 1), not pass the steps as unclipped."""
+    if _missing("deepspeed"):
+        pytest.skip(f"deepspeed {EXTRA}")
+    from gclip.audit.auditor import UNSEEN
+
+    report = tmp_path / "audit.jsonl"
+    cmd = torchrun_cmd(RANKS, "-m", "gclip.audit", "--json", str(report), str(SCRIPTS / "fw_deepspeed.py"))
+    job = run_job([*cmd, "--stage", "1"], env=job_env(PYTHONPATH=str(SCRIPTS), DS_ACCELERATOR="cpu"))
+    text = job.stdout + job.stderr
+    assert exited(job, 1), text[-3000:]
+    assert text.count(UNSEEN) == 2, text[-3000:]  # each step, on rank 0
+    assert report.read_text() == "", text[-3000:]  # no step graded

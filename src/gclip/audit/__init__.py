@@ -13,7 +13,9 @@ the true global norm (from the DTensor placements, DDP's replicas, or ``--replic
 ``--sharded`` for plain tensors), the scale each rank applied and the norm it implies, and
 the grade and gallery bug that explain them (:mod:`gclip.audit.verdict`).
 
-From Python, for a test suite: ``gclip.testing.audit``, the same as a context manager.
+From Python, for a test suite: ``gclip.testing.audit``, the same as a context manager. An
+optimizer that clips inside its own step (DeepSpeed's ZeRO) is read from its update instead:
+:func:`gclip.audit.update.grade_update`.
 See docs/frameworks.md.
 """
 

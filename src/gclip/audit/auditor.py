@@ -42,6 +42,11 @@ __all__ = ["Auditor"]
 
 PLAIN = ("auto", "replicated", "sharded")
 # torch's clip functions, recorded for their max_norm: (name, whether it returns the norm)
+# a step whose gradients no backward left, on any rank: not audited (nothing to compare with)
+UNSEEN = (
+    "gclip.audit: an optimizer stepped on gradients that no backward left (one that clips inside its"
+    " own step, as DeepSpeed's ZeRO: read it from its update, gclip.audit.update): not audited"
+)
 CLIPS = (("clip_grad_norm_", True), ("clip_grads_with_norm_", False), ("_clip_grads_with_norm_", False))
 
 
@@ -279,11 +284,13 @@ class Auditor:
             seed = self._seeds[id(p)]
             before = self._before.get(id(p))
             after = capture.sketch(p.grad, seed)
+            seen = before is not None
             if before is None:  # no backward left it: nothing to compare with
                 before = after._replace(sumsq=0.0)
             scale, uniform = capture.factor(before, after)
+            placed = _is_dtensor(p.grad)
             piece = verdict.Piece(
-                holders, copies, before.sumsq, before.count, scale, uniform, before.dtype, _is_dtensor(p.grad)
+                holders, copies, before.sumsq, before.count, scale, uniform, before.dtype, placed, seen
             )
             pieces.append(piece)
             self._audited[id(p)] = self._backward
@@ -291,6 +298,10 @@ class Auditor:
         row = verdict.Row(_rank(), stage, pieces, self._seen_max_norm, self._seen_norm, self._holds(params))
         rows = _gather(row)
         self._seen_max_norm = self._seen_norm = None
+        if not any(p.seen for r in rows for p in r.pieces):  # the same on every rank
+            if _rank() == 0:
+                print(UNSEEN, flush=True)
+            return
         report = verdict.grade_step(len(self.reports), rows, self.max_norm, self.max_norm is not None)
         self.reports.append(report)
         if self.report is not None:

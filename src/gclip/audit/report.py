@@ -41,6 +41,7 @@ class Summary:
         grades = collections.Counter(r.grade for r in self.reports)
         bugs = collections.Counter(r.fingerprint for r in self.reports if r.fingerprint)
         clipped = sum(r.clipped for r in self.reports)
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if self.rank == 0:
             if not self.reports:
                 print("gclip.audit: no optimizer step was audited (no backward, or no optimizer stepped)")

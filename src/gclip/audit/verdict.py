@@ -48,6 +48,7 @@ class Piece(NamedTuple):
     uniform: bool  # every value got that factor
     dtype: str
     placed: bool = False  # a DTensor's local piece (its placements say who holds copies)
+    seen: bool = True  # a backward left this gradient (False: nothing to compare it with)
 
 
 class Row(NamedTuple):
