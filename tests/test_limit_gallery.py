@@ -208,8 +208,7 @@ def test_one_clip_over_muon_and_the_biases_is_named_with_its_attenuation():
     verdict = judge_groups(sumsq, limits, scales, rtol=1e-5)  # torch's norm + 1e-6, in float32
     assert (verdict.grade, verdict.fingerprint) == ("fail", "muon-global-clip"), verdict
     attenuation = verdict.details["attenuation"]
-    # the biases' step shrinks by the factor docs/limits.md measures at h = 64 (2.8x: |db| 0.0200 -> 0.0120
-    # with their own clip vs the global one is 1.7x; against no clip 2.8x); Muon's group is
-    # scaled too, which its orthogonalisation then undoes
+    # the biases' step 1.67x smaller than their own clip gives (docs/limits.md at h = 64: |db| 0.0200
+    # against 0.0120); Muon's group is scaled too (2.8x), which its orthogonalisation then undoes
     assert 1.5 < attenuation[1] < 2.0, attenuation
     assert attenuation[0] > 1.0
