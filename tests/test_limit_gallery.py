@@ -212,3 +212,21 @@ def test_one_clip_over_muon_and_the_biases_is_named_with_its_attenuation():
     # against 0.0120); Muon's group is scaled too (2.8x), which its orthogonalisation then undoes
     assert 1.5 < attenuation[1] < 2.0, attenuation
     assert attenuation[0] > 1.0
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--adaptive", "clipz"], "unknown adaptive clipper"),
+        (["--adaptive", "zclip:alpha=2"], "alpha"),
+        (["--adaptive", "zclip", "--max-norm", "1"], "drop --max-norm"),
+    ],
+)
+def test_the_audits_adaptive_option_refuses_bad_input_in_one_line(args, says, capsys, tmp_path):
+    from gclip.audit.__main__ import parse
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as stop:
+        parse([*args, str(script)])
+    assert stop.value.code == 2 and says in capsys.readouterr().err

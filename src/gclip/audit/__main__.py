@@ -8,7 +8,10 @@ import runpy
 import sys
 from typing import Any
 
-USAGE = "torchrun --nproc-per-node N -m gclip.audit [--max-norm X] [--steps K] [--json FILE] SCRIPT [ARGS...]"
+USAGE = (
+    "torchrun --nproc-per-node N -m gclip.audit [--max-norm X | --adaptive CLIPPER] [--steps K] "
+    "[--json FILE] SCRIPT [ARGS...]"
+)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
