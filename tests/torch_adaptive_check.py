@@ -73,7 +73,7 @@ def group_norms(params: list, leader: bool, groups: list[range]) -> list[float]:
     ]
 
 
-def per_group(params: list, leader: bool, declared, comm) -> dict:
+def per_group(params: list, leader: bool, declared, on: dict) -> dict:
     """clip_groups_ over two groups (the first clipped to a third of its norm, the second
     reported), its all-reduces counted."""
     groups = [range(len(params) // 2), range(len(params) // 2, len(params))]
@@ -88,7 +88,7 @@ def per_group(params: list, leader: bool, declared, comm) -> dict:
     dist.all_reduce = counting
     try:
         norms = gt.clip_groups_(
-            [[params[i] for i in g] for g in groups], [before[0] / 3, None], replicated=declared, comm=comm
+            [[params[i] for i in g] for g in groups], [before[0] / 3, None], replicated=declared, **on
         )
     finally:
         dist.all_reduce = real
@@ -122,7 +122,8 @@ def main(layout: str, outdir: str, state: str | None) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     base = [p.grad.detach().clone() for p in params]
     declared = {"tp": True}.get(layout)  # TP leaves embed, norms and head plain: copies on every rank
-    comm = COMM.get(layout)  # pp_fsdp: the mesh, whose dimension names say the stages
+    # pipeline stages are named by the DeviceMesh given as comm= (torch's recorded root may be stale)
+    on = {"comm": COMM[layout]} if layout in COMM else {}
     weights_full = whole_model([full(p.data).reshape(p.shape) for p in params], leader)
     base_full = whole_model([full(b).reshape(p.shape) for p, b in zip(params, base)], leader)
 
@@ -130,7 +131,7 @@ def main(layout: str, outdir: str, state: str | None) -> None:
         "rank": rank,
         "layout": layout,
         "steps": [],
-        "groups": per_group(params, leader, declared, comm),
+        "groups": per_group(params, leader, declared, on),
     }
     for p, b in zip(params, base):
         p.grad.copy_(b)
@@ -168,7 +169,7 @@ def main(layout: str, outdir: str, state: str | None) -> None:
                 row["agc_one"] = [x for q in alone_params for x in q.grad.double().reshape(-1).tolist()]
                 row["agc_changed"] = sum(int((q.grad != g).sum()) for q, g in zip(alone_params, grads_full))
                 continue
-            norm = ours.step(model, replicated=declared, reproducible=True, comm=comm)
+            norm = ours.step(model, replicated=declared, reproducible=True, **on)
             norm_one = one.step(alone_params, comm=alone, reproducible=True)
             row[name] = {"norm": float(norm), "norm_one": float(norm_one)}
             if name == "zclip":
@@ -178,7 +179,7 @@ def main(layout: str, outdir: str, state: str | None) -> None:
                 for q, g in zip(alone_params, grads_full):
                     q.grad = g.clone()
                 row["zclip_fast"] = {
-                    "norm": float(fast.step(model, replicated=declared, comm=comm)),
+                    "norm": float(fast.step(model, replicated=declared, **on)),
                     "norm_one": float(fast_one.step(alone_params, comm=alone)),
                     "limit": limit_of(fast),
                     "limit_one": limit_of(fast_one),
