@@ -318,6 +318,8 @@ class Auditor:
         every = [math.fsum(p.sumsq for p in row.pieces) for row in rows]
         want = self._thresholds.step(owned, every)
         limit = want.pop("global")[0][0]
+        # a bug's limit m at norm n scales by m / n, which the correct limit gives at n * limit / m;
+        # where the correct rule has no limit (inf) a bug's finite one cannot be expressed: unnamed
         more = {
             name: [0.0 if math.isinf(m) else n * limit / m if m > 0 else math.inf for m, n in zip(*got)]
             for name, got in want.items()
