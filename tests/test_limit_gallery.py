@@ -230,3 +230,48 @@ def test_the_audits_adaptive_option_refuses_bad_input_in_one_line(args, says, ca
     with pytest.raises(SystemExit) as stop:
         parse([*args, str(script)])
     assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def audited(trace, spec="zclip:max_grad_norm=None"):
+    """The audit's verdicts on a recorded FSDP2 run, as gclip.audit --adaptive grades its rows
+    (in this process: each rank's row is built here from the shards' squares and scales)."""
+    pytest.importorskip("torch")
+    from gclip.audit import Auditor
+    from gclip.audit.verdict import Piece as AuditPiece
+    from gclip.audit.verdict import Row, grade_step
+
+    auditor = Auditor(adaptive=spec)
+    out = []
+    for k, step in enumerate(trace):
+        rows = [
+            Row(
+                r,
+                None,
+                [AuditPiece((r,), "", step.every[r], 12, step.scales[r], True, "float64")],
+                None,
+                None,
+            )
+            for r in range(4)
+        ]
+        limit, more, _ = auditor._adaptive_limits(rows)
+        out.append(grade_step(k, rows, limit, True, more, source=f"--adaptive {spec}"))
+    return out
+
+
+def test_the_audits_adaptive_candidates_pass_gclip_and_name_the_local_norm():
+    norms = gradients()
+    right = audited(_trace_no_cap(norms))
+    assert all((r.grade, r.fingerprint) == ("pass", None) for r in right), [r.fingerprint for r in right]
+    assert sum(r.clipped for r in right) >= 3
+    refs = [ReferenceZClip(max_grad_norm=None) for _ in range(4)]
+    wrong = []
+    for g in norms:
+        owned, every = fsdp2(g)
+        wrong.append(StepRecord(owned, every, [ref.step(math.sqrt(e))[1] for ref, e in zip(refs, every)]))
+    named = {r.fingerprint for r in audited(wrong)}
+    assert "adaptive-local-norm" in named and named <= {None, "adaptive-local-norm"}, named
+
+
+def _trace_no_cap(grads):
+    clipper = gclip.ZClip(max_grad_norm=None)
+    return [StepRecord(*fsdp2(g), [clipper.step(np.array(g), comm=MPI.COMM_SELF).scale] * 4) for g in grads]

@@ -301,30 +301,34 @@ class Auditor:
         if self.adaptive is None:
             report = verdict.grade_step(len(self.reports), rows, self.max_norm, self.max_norm is not None)
         else:
-            limit, more = self._adaptive_limits(rows)
-            report = verdict.grade_step(
-                len(self.reports), rows, limit, True, more, source=f"--adaptive {self.adaptive}"
+            limit, more, bounded = self._adaptive_limits(rows)
+            source = f"--adaptive {self.adaptive}" + (
+                "" if bounded else ": no limit this step, the norm shown"
             )
+            report = verdict.grade_step(len(self.reports), rows, limit, True, more, source=source)
         self.reports.append(report)
         if self.report is not None:
             self.report(report)
 
-    def _adaptive_limits(self, rows: list[verdict.Row]) -> tuple[float, dict[str, list[float]]]:
+    def _adaptive_limits(self, rows: list[verdict.Row]) -> tuple[float, dict[str, list[float]], bool]:
         """This step's correct limit (the adaptive rule fed the true global norm) and, per bug of
-        the adaptive limits, the norm per rank that gives its scale at that limit."""
+        the adaptive limits, the norm per rank that gives its scale at that limit; whether the rule
+        set a limit at all."""
         if self._thresholds is None:
             self._thresholds = limits.AdaptiveCandidates(self._make_threshold, len(rows))
         owned = [math.fsum(p.sumsq for p in row.pieces if p.holders[0] == row.rank) for row in rows]
         every = [math.fsum(p.sumsq for p in row.pieces) for row in rows]
         want = self._thresholds.step(owned, every)
-        limit = want.pop("global")[0][0]
+        bounds, norms = want.pop("global")
         # a bug's limit m at norm n scales by m / n, which the correct limit gives at n * limit / m;
-        # where the correct rule has no limit (inf) a bug's finite one cannot be expressed: unnamed
+        # where the correct rule sets no limit (inf), the true norm stands in: it leaves the correct
+        # clip's scale at 1 and lets a bug that clips anyway be named
+        limit = bounds[0] if math.isfinite(bounds[0]) else norms[0]
         more = {
             name: [0.0 if math.isinf(m) else n * limit / m if m > 0 else math.inf for m, n in zip(*got)]
             for name, got in want.items()
         }
-        return limit, more
+        return limit, more, math.isfinite(bounds[0])
 
     # -- the layout
 
