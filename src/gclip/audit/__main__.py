@@ -8,7 +8,10 @@ import runpy
 import sys
 from typing import Any
 
-USAGE = "torchrun --nproc-per-node N -m gclip.audit [--max-norm X] [--steps K] [--json FILE] SCRIPT [ARGS...]"
+USAGE = (
+    "torchrun --nproc-per-node N -m gclip.audit [--max-norm X | --adaptive CLIPPER] [--steps K] "
+    "[--json FILE] SCRIPT [ARGS...]"
+)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -23,6 +26,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="the limit the script clips to "
         "(default: the max_norm its clip function is called with, else inferred)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        default=None,
+        metavar="CLIPPER",
+        help="the script clips adaptively: zclip or autoclip, with options "
+        "(zclip:warmup_steps=10,max_grad_norm=2); each step's limit is the rule's on the true "
+        "global norm, and the bugs of adaptive limits are candidates",
     )
     parser.add_argument("--steps", type=int, default=None, help="audit the first K steps only")
     parser.add_argument(
@@ -48,6 +59,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--max-norm must be >= 0, got {ns.max_norm}")
     if ns.steps is not None and ns.steps < 1:
         parser.error(f"--steps must be >= 1, got {ns.steps}")
+    if ns.adaptive is not None:
+        if ns.max_norm is not None:
+            parser.error("--adaptive takes the limit from the clipper's rule: drop --max-norm")
+        from ..conformance.limits import threshold
+
+        try:
+            threshold(ns.adaptive)
+        except (ValueError, TypeError) as exc:
+            parser.error(f"--adaptive {ns.adaptive}: {exc}")
     if not os.path.isfile(ns.script):
         parser.error(f"no such script: {ns.script}")
     return ns
@@ -60,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plain = "replicated" if ns.replicated else "sharded" if ns.sharded else "auto"
     summary = Summary(ns.json, quiet=ns.quiet)
-    auditor = Auditor(max_norm=ns.max_norm, steps=ns.steps, plain=plain, report=summary.add)
+    auditor = Auditor(
+        max_norm=ns.max_norm, steps=ns.steps, plain=plain, report=summary.add, adaptive=ns.adaptive
+    )
     sys.argv = [ns.script, *ns.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(ns.script)))
     code: Any = 0

@@ -30,12 +30,14 @@ Each audited step is collective: every rank sends one small row (``verdict.Row``
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..conformance import limits
 from . import capture, verdict
 
 __all__ = ["Auditor"]
@@ -61,6 +63,7 @@ class Auditor:
         plain: str = "auto",
         report: Callable[[verdict.StepReport], None] | None = None,
         seed: int = 0,
+        adaptive: str | None = None,
     ) -> None:
         if plain not in PLAIN:
             raise ValueError(f"plain must be one of {', '.join(PLAIN)}, got {plain!r}")
@@ -82,6 +85,10 @@ class Auditor:
         self._holders: dict[tuple[int, ...], list[tuple[tuple[int, ...], str]]] = {}
         self._undo: list[Callable[[], None]] = []
         self._stepping = False
+        self.adaptive = adaptive
+        self._thresholds: Any = None  # the adaptive clipper's candidates, made on the first step
+        if adaptive is not None:
+            self._make_threshold = limits.threshold(adaptive)
 
     # -- installing
 
@@ -302,10 +309,37 @@ class Auditor:
             if _rank() == 0:
                 print(UNSEEN, flush=True)
             return
-        report = verdict.grade_step(len(self.reports), rows, self.max_norm, self.max_norm is not None)
+        if self.adaptive is None:
+            report = verdict.grade_step(len(self.reports), rows, self.max_norm, self.max_norm is not None)
+        else:
+            limit, more, bounded = self._adaptive_limits(rows)
+            source = f"--adaptive {self.adaptive}" + (
+                "" if bounded else ": no limit this step, the norm shown"
+            )
+            report = verdict.grade_step(len(self.reports), rows, limit, True, more, source=source)
         self.reports.append(report)
         if self.report is not None:
             self.report(report)
+
+    def _adaptive_limits(self, rows: list[verdict.Row]) -> tuple[float, dict[str, list[float]], bool]:
+        """This step's correct limit (the adaptive rule fed the true global norm) and, per bug of
+        the adaptive limits, the norm per rank that gives its scale at that limit; whether the rule
+        set a limit at all."""
+        if self._thresholds is None:
+            self._thresholds = limits.AdaptiveCandidates(self._make_threshold, len(rows))
+        owned = [math.fsum(p.sumsq for p in row.pieces if p.holders[0] == row.rank) for row in rows]
+        every = [math.fsum(p.sumsq for p in row.pieces) for row in rows]
+        want = self._thresholds.step(owned, every)
+        bounds, norms = want.pop("global")
+        # a bug's limit m at norm n scales by m / n, which the correct limit gives at n * limit / m;
+        # where the correct rule sets no limit (inf), the true norm stands in: it leaves the correct
+        # clip's scale at 1 and lets a bug that clips anyway be named
+        limit = bounds[0] if math.isfinite(bounds[0]) else norms[0]
+        more = {
+            name: [0.0 if math.isinf(m) else n * limit / m if m > 0 else math.inf for m, n in zip(*got)]
+            for name, got in want.items()
+        }
+        return limit, more, math.isfinite(bounds[0])
 
     # -- the layout
 

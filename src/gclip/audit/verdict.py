@@ -127,7 +127,7 @@ def _same(a: float | None, b: float | None, rtol: float) -> bool:
 
 def _card(name: str) -> Any:
     found = gallery.STRATEGIES.get(name) or gallery.LAYOUT_BUG_NAMES.get(name)
-    return found or gallery.USAGE_BUG_NAMES[name]
+    return found or gallery.LIMIT_BUG_NAMES.get(name) or gallery.USAGE_BUG_NAMES[name]
 
 
 def candidate_norms(rows: Sequence[Row]) -> dict[str, list[float]]:
@@ -205,17 +205,28 @@ def _rank_scales(rows: Sequence[Row], tol: float) -> tuple[list[float | None], S
     return scales, (sets if mixed else None)
 
 
-def grade_step(step: int, rows: Sequence[Row], max_norm: float | None, given: bool) -> StepReport:
+def grade_step(
+    step: int,
+    rows: Sequence[Row],
+    max_norm: float | None,
+    given: bool,
+    more: dict[str, list[float]] | None = None,
+    source: str | None = None,
+) -> StepReport:
     """The step's report, from every rank's row; ``max_norm`` given on the command line or
-    None (then the clip call's, else inferred from the scales)."""
+    None (then the clip call's, else inferred from the scales). ``more``: candidates of the
+    caller's (an adaptive clipper's bugs), per rank the norm that gives their scale at
+    ``max_norm``, tried right after the correct clip; ``source``: where ``max_norm`` came from."""
     dtypes = {p.dtype for row in rows for p in row.pieces}
     tol = max((RTOL.get(d, 1e-2) for d in dtypes), default=1e-9)
     loose = max(tol, implied.NEAR_FLOAT32)
     norms = candidate_norms(rows)
+    if more:
+        norms = {"global": norms.pop("global"), **more, **norms}
     true = norms["global"][0]
     scales, split = _rank_scales(rows, tol)
     told = [s for s in scales if s is not None]
-    source = "--max-norm" if given else "unknown"
+    source = source or ("--max-norm" if given else "unknown")
     if max_norm is None:
         seen = {row.max_norm for row in rows if row.max_norm is not None}
         if len(seen) == 1:

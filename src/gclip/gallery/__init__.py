@@ -2,7 +2,8 @@
 
 The bugs (``BUGS``: how the norm is combined; ``LAYOUT_BUGS``: a correct clip
 told the wrong layout; ``USAGE_BUGS``: a correct clip called at the wrong
-moment), each with where it was seen, live in :mod:`gclip.gallery.bugs`.
+moment), each with where it was seen, live in :mod:`gclip.gallery.bugs`; the bugs of
+adaptive, unit-wise and per-group limits (``LIMIT_BUGS``) in :mod:`gclip.gallery.limit_bugs`.
 
 The functions here are gclip's, plus ``mode=``: ``"global"`` (the correct
 clip) or a bug's name. Each runs the bug as the lab's own program
@@ -20,9 +21,19 @@ from typing import Any
 from .. import drivers, engine, layout
 from . import bugs
 from .bugs import *  # noqa: F403 - the gallery's names, as bugs.__all__ lists them
+from .limit_bugs import LIMIT_BUG_NAMES, LIMIT_BUGS, LimitBug
 from .program import Result, program
 
-__all__ = [*bugs.__all__, "Result", "clip_by_global_norm", "clip_simulated", "global_norm"]
+__all__ = [
+    *bugs.__all__,
+    "LIMIT_BUGS",
+    "LIMIT_BUG_NAMES",
+    "LimitBug",
+    "Result",
+    "clip_by_global_norm",
+    "clip_simulated",
+    "global_norm",
+]
 
 
 def global_norm(grads: Any, *, mode: str = "global", comm: Any = None, **settings: Any) -> float:

@@ -68,9 +68,13 @@ class ZClip:
 
     def step(self, grads: Any, *, inplace: bool = False, **options: Any) -> Clipped:
         norm = global_norm(grads, **options)
+        return _clip(grads, norm, self.decide(norm), inplace)
+
+    def decide(self, norm: float) -> float:
+        """This step's limit for a global norm computed elsewhere (inf: none); the state advances."""
         limit, _, seen = self.rule.limit(norm, FloatOps)
         self.rule.update(seen, math.isfinite(norm), FloatOps)
-        return _clip(grads, norm, limit, inplace)
+        return float(limit)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.rule.state()
@@ -96,12 +100,15 @@ class AutoClip:
 
     def step(self, grads: Any, *, inplace: bool = False, **options: Any) -> Clipped:
         norm = global_norm(grads, **options)
+        return _clip(grads, norm, self.decide(norm), inplace)
+
+    def decide(self, norm: float) -> float:
+        """This step's limit for a global norm computed elsewhere (inf: none); the history grows."""
         if math.isfinite(norm):
             self.history.append(norm)
             if self.window is not None and len(self.history) > self.window:
                 del self.history[0]
-        limit = float(np.percentile(self.history, self.percentile)) if self.history else math.inf
-        return _clip(grads, norm, limit, inplace)
+        return float(np.percentile(self.history, self.percentile)) if self.history else math.inf
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history), "percentile": self.percentile, "window": self.window}

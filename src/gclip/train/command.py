@@ -22,7 +22,7 @@ from .._lab.cli import (
 from ..layout import Mesh
 from .figure import plot
 from .layout import train_layout, train_layout_simulated
-from .loop import Config, train, train_simulated
+from .loop import CLIPS, SPIKE, Config, train, train_simulated
 from .report import json_report, text_report
 
 __all__ = ["DESCRIPTION", "MAX_STEPS", "PROG", "main"]
@@ -88,6 +88,20 @@ def _parser() -> ArgParser:
         metavar="AXES",
         help="lay the MLP out over pp, dp and tp, e.g. pp=2,dp=2,tp=2 (on real ranks, or on --ranks R)",
     )
+    p.add_argument(
+        "--clip",
+        choices=CLIPS,
+        default="fixed",
+        help="the clip: the fixed --max-norm (default), or one of gclip.limits with the references' "
+        "defaults: zclip (z-score 2.5 after 25 steps, capped at 1.0), autoclip (the 10th "
+        "percentile of the norms seen), agc (unit-wise, 0.05 of each unit's weight norm)",
+    )
+    p.add_argument(
+        "--spike",
+        type=in_range(int, 0, MAX_STEPS, "step (an integer >= 0)"),
+        metavar="STEP",
+        help=f"a bad batch: that step's gradient times {SPIKE:g} (shows how the clip handles it)",
+    )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="save loss curves (needs matplotlib)")
     return p
@@ -114,6 +128,10 @@ def _main(argv: Sequence[str] | None) -> int:
         raise UsageError(
             "--fused folds the correct clip into the update on real ranks: drop --buggy, --layout, --ranks"
         )
+    if args.clip != "fixed" and (args.buggy or args.layout or args.fused):
+        raise UsageError(f"--clip {args.clip} runs gclip's own clipper: drop --buggy, --layout, --fused")
+    if args.spike is not None and args.fused:
+        raise UsageError("--spike shows a clip at work: drop --fused")
     if args.plot:
         _check_plot_path(args.plot)
     if args.ranks is not None:
@@ -147,6 +165,8 @@ def _config(args: argparse.Namespace, simulated: bool = False) -> Config:
         layout=args.layout,
         simulated=simulated,
         fused=bool(getattr(args, "fused", False)),
+        clip=args.clip,
+        spike=args.spike,
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from .._lab.cli import say
 from .._lab.jsonout import dumps
-from .loop import Config, Run, departs_at, digest
+from .loop import SPIKE, Config, Run, departs_at, digest
 from .model import CLASSES, Model
 
 __all__ = ["columns", "json_report", "summary", "text_report", "why_lower"]
@@ -40,6 +40,32 @@ def _measures(run: Run, config: Config) -> dict:
     }
 
 
+def _clip_keys(run: Run, config: Config) -> dict:
+    """--clip's and --spike's keys (none without them: the fixed clip's report is unchanged)."""
+    if config.clip == "fixed" and config.spike is None:
+        return {}
+    out: dict = {"clip": config.clip, "spike_step": config.spike, "limits": list(run.limits) or None}
+    if config.spike is not None and config.spike < len(run.true_norms):
+        out["spike"] = _spike(run, config)
+    return out
+
+
+def _spike(run: Run, config: Config) -> dict:
+    """The spike step: the gradient's norm, the limit the clip used, the update applied."""
+    k = config.spike
+    assert k is not None
+    limit = run.limits[k] if run.limits else config.max_norm
+    before = run.true_norms[k - 1] if k > 0 else None
+    return {
+        "step": k,
+        "norm": run.true_norms[k],
+        "norm_before": before,
+        "limit": limit,
+        "update_norm": run.update_norms[k],
+        "clipped": run.ranks_scaled[k] > 0,
+    }
+
+
 def summary(run: Run, config: Config, ranks: int) -> dict:
     """One run as a dict, ready for JSON (an undefined cosine is None: null)."""
     return {
@@ -55,6 +81,7 @@ def summary(run: Run, config: Config, ranks: int) -> dict:
         "layout": config.layout,
         "params": Model().flat_size + CLASSES,
         **_measures(run, config),
+        **_clip_keys(run, config),
     }
 
 
@@ -104,6 +131,9 @@ def text_report(runs: list[Run], config: Config, ranks: int) -> None:
     )
     say(f"update applied above max_norm {config.max_norm:g}: {above} of {config.steps} steps")
     say(f"trajectory digest {digest(run.losses)} (equal digests: bitwise-equal losses)")
+    if config.clip != "fixed" or config.spike is not None:
+        for line in _clip_lines(run, config):
+            say(line)
     if len(runs) > 1:
         ref = runs[1]
         at = departs_at(run.losses, ref.losses)
@@ -120,6 +150,25 @@ def text_report(runs: list[Run], config: Config, ranks: int) -> None:
         )
         for line in why_lower(run, ref, config):
             say(line)
+
+
+def _clip_lines(run: Run, config: Config) -> list[str]:
+    clipped = [i for i, k in enumerate(run.ranks_scaled) if k]
+    lines = [f"clip {config.clip}: scaled down on {len(clipped)} steps ({_steps(clipped)})"]
+    if config.spike is not None and config.spike < len(run.true_norms):
+        s = _spike(run, config)
+        limit = "unit-wise" if s["limit"] != s["limit"] else f"{s['limit']:.4g}"
+        before = "" if s["norm_before"] is None else f" (the step before: {s['norm_before']:.4g})"
+        lines.append(
+            f"spike at step {s['step']} (gradient x {SPIKE:g}): norm {s['norm']:.4g}{before}, limit "
+            f"{limit}, update applied {s['update_norm']:.4g}: {'clipped' if s['clipped'] else 'NOT clipped'}"
+        )
+    return lines
+
+
+def _steps(steps: list[int]) -> str:
+    shown = ", ".join(str(i) for i in steps[:8])
+    return shown + (", ..." if len(steps) > 8 else "") if steps else "none"
 
 
 def _table(run: Run, config: Config, ranks: int) -> None:
