@@ -86,7 +86,7 @@ def _read(
     probe: torch.Tensor | None = None,
 ) -> Any:
     """The engine's reader for tensors: (the gradients, each distinct one once, their entries)."""
-    read = gradients(items, replicated, of_parameters=of_parameters, probe=probe)._replace(foreach=foreach)
+    read = gradients(items, replicated, of_parameters=of_parameters, probe=probe, foreach=foreach)
     if inplace:  # refused here, the error is agreed; torch's multiply would raise on this rank alone
         for g, where in zip(read.scaled_tensors, read.wheres):
             if g.is_contiguous() and g.numel():
@@ -120,13 +120,15 @@ def gradients(
     of_parameters: bool,
     reduce: bool = True,
     probe: torch.Tensor | None = None,
+    foreach: bool | None = None,
 ) -> Gradients:
     """The gradients to clip: parameters' .grad (None skipped) or the tensors themselves.
 
     The same gradient given twice counts once and is scaled once; two that
     overlap in memory in part are an error. ``reduce``: Partial gradients are reduced (a
     collective) to be counted; False: read alone, to be scaled (no communication).
-    ``probe``: one more plain tensor, this rank's own, counted after the others.
+    ``probe``: one more plain tensor, this rank's own, counted after the others. ``foreach``:
+    how the scale is applied (``Gradients.foreach``).
     """
     name = "parameters" if of_parameters else "tensors"
     items = _as_list(items, name)
@@ -187,6 +189,7 @@ def gradients(
         counted,
         [e for _, _, e in kept],
         [w for w, _, _ in kept],
+        foreach,
         targets=None if counted is tensors else tensors,
     )
 
@@ -287,20 +290,22 @@ def _plain_table(picked: list[tuple[str, torch.Tensor, Any]]) -> Any:
         size.append(g.numel())
         kind.append(0 if g.requires_grad else _torch_partials.TABLE_KINDS.get(g.dtype, 0))
         nbytes.append(g.element_size())
-    if len({id(g) for _, g, _ in picked}) < len(picked):
-        return None
     lo, n = np.array(ptr, np.int64), np.array(size, np.int64)
     if len(picked) > 1:
+        if len({id(g) for _, g, _ in picked}) < len(picked):
+            return None
         hi = lo + n * np.array(nbytes, np.int64)
         full = n > 0
         order = np.argsort(lo[full], kind="stable")
         start, end = lo[full][order], hi[full][order]
         if np.any(start[1:] < np.maximum.accumulate(end)[:-1]):
             return None
-    kinds = np.array(kind, np.int64)
-    if not kinds.all():
-        return _kernels.Table(lo[:0], n[:0], kinds[:0], 0)
-    return _kernels.Table(lo, n, kinds, len(picked))
+    if not all(kind):
+        return _NO_TABLE
+    return _kernels.Table(lo, n, np.array(kind, np.int64), len(picked))
+
+
+_NO_TABLE = _kernels.Table(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
 
 
 def _has_memory(g: torch.Tensor) -> bool:

@@ -186,7 +186,9 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
             total += float(kernels.sumsq_bf16(t.view(torch.int16).numpy().view(np.uint16).reshape(-1)))
         else:
             rest.append(t)
-    if p == 2.0:
+    if not rest:
+        pass  # every tensor summed above
+    elif p == 2.0:
         total += _sum_on_devices(rest, lambda c: torch.dot(c, c))
     elif p == 1.0:
         total += _sum_on_devices(rest, lambda c: c.abs().sum())
