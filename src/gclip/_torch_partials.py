@@ -265,7 +265,10 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
 
 def _in_float32(factor: float) -> bool:
     """Is the float32 factor a normal float (or 0)? Elsewhere torch's multiply keeps the say."""
-    return factor == 0.0 or float(np.finfo(np.float32).tiny) <= factor <= float(np.finfo(np.float32).max)
+    return factor == 0.0 or _FLOAT32_TINY <= factor <= _FLOAT32_MAX
+
+
+_FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 # ---------------------------------------------------------------------------
