@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import gclip.torch as gt
 from torch_jobs import watchdog
-from torch_layouts_check import build, full
+from torch_layouts_check import COMM, build, full
 
 STEPS = 100
 
@@ -70,7 +70,7 @@ def group_norms(params: list, leader: bool, groups: list[range]) -> list[float]:
     ]
 
 
-def per_group(params: list, leader: bool, declared) -> dict:
+def per_group(params: list, leader: bool, declared, on: dict) -> dict:
     """clip_groups_ over two groups (the first clipped to a third of its norm, the second
     reported), its all-reduces counted."""
     groups = [range(len(params) // 2), range(len(params) // 2, len(params))]
@@ -85,7 +85,7 @@ def per_group(params: list, leader: bool, declared) -> dict:
     dist.all_reduce = counting
     try:
         norms = gt.clip_groups_(
-            [[params[i] for i in g] for g in groups], [before[0] / 3, None], replicated=declared
+            [[params[i] for i in g] for g in groups], [before[0] / 3, None], replicated=declared, **on
         )
     finally:
         dist.all_reduce = real
@@ -108,6 +108,8 @@ def main(layout: str, outdir: str, state: str | None) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     base = [p.grad.detach().clone() for p in params]
     declared = {"tp": True}.get(layout)  # TP leaves embed, norms and head plain: copies on every rank
+    # pipeline stages are named by the DeviceMesh given as comm= (torch's recorded root may be stale)
+    on = {"comm": COMM[layout]} if layout in COMM else {}
     weights_full = whole_model([full(p.data).reshape(p.shape) for p in params], leader)
     base_full = whole_model([full(b).reshape(p.shape) for p, b in zip(params, base)], leader)
 
@@ -115,7 +117,7 @@ def main(layout: str, outdir: str, state: str | None) -> None:
         "rank": rank,
         "layout": layout,
         "steps": [],
-        "groups": per_group(params, leader, declared),
+        "groups": per_group(params, leader, declared, on),
     }
     for p, b in zip(params, base):
         p.grad.copy_(b)
@@ -151,7 +153,7 @@ def main(layout: str, outdir: str, state: str | None) -> None:
                 row["agc_one"] = [x for q in alone_params for x in q.grad.double().reshape(-1).tolist()]
                 row["agc_changed"] = sum(int((q.grad != g).sum()) for q, g in zip(alone_params, grads_full))
                 continue
-            norm = ours.step(model, replicated=declared, reproducible=True)
+            norm = ours.step(model, replicated=declared, reproducible=True, **on)
             norm_one = one.step(alone_params, comm=alone, reproducible=True)
             row[name] = {"norm": float(norm), "norm_one": float(norm_one)}
             if name == "zclip":

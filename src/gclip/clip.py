@@ -49,7 +49,7 @@ class ClipResult(NamedTuple):
 
 def _clipped(args: engine.Arguments, norm: float, scale: float, inplace: bool) -> ClipResult:
     """One rank's result: its arrays scaled (by their reader, in the layout given)."""
-    return ClipResult(args.grads.scaled(scale, inplace), norm, scale, math.isfinite(norm))
+    return ClipResult(args.grads.scaled(scale, inplace), norm, scale, norm < math.inf)  # NaN: False
 
 
 def global_norm(
@@ -134,7 +134,7 @@ def clip_by_global_norm(
         inplace=inplace,
     )
     norm, scale = mpi.run(engine.program(args))
-    return _clipped(args, norm, scale, inplace)
+    return ClipResult(args.grads.scaled(scale, inplace), norm, scale, norm < math.inf)  # as _clipped
 
 
 def clip_simulated(

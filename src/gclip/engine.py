@@ -67,14 +67,20 @@ class NormOp(enum.Enum):
     MAX = "max"
 
 
-class Reduce(NamedTuple):
+# The requests a program yields, the checked arguments and the header's sums are slotted classes,
+# not NamedTuples: each is built on every call, and costs one Python call where a NamedTuple costs two.
+
+
+@dataclass(slots=True)
+class Reduce:
     """All-reduce ``data`` (float64) with ``op``."""
 
     data: np.ndarray
     op: NormOp = NormOp.SUM
 
 
-class Gather(NamedTuple):
+@dataclass(slots=True)
+class Gather:
     """All-gather one small picklable item (error path only)."""
 
     item: Any
@@ -123,7 +129,8 @@ class Spec:
         return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
 
 
-class Arguments(NamedTuple):
+@dataclass(slots=True)
+class Arguments:
     """One rank's arguments, checked (or the error every rank will raise)."""
 
     grads: Any  # the arrays as read (a :class:`Grads`; None where refused)
@@ -258,10 +265,9 @@ def program(args: Arguments) -> Program:
     spec, owned, sums = args.spec, args.counting.owned, args.backend.partials
     p = spec.norm_type
     counted = args.arrays if owned is None else [a for a, own in zip(args.arrays, owned) if own]
-    error, count, power, nan, rescue, digits, finite = args.error, 0, 0.0, False, False, None, True
+    error, power, nan, rescue, digits, finite = args.error, 0.0, False, False, None, True
     if error is None:
         try:
-            count = sums.count(counted)
             if p == math.inf:  # (p > 0: an equality, cheaper than math.isinf)
                 power, nan = sums.max_abs(counted)
                 finite = not nan and math.isfinite(power)
@@ -270,10 +276,10 @@ def program(args: Arguments) -> Program:
                 finite = math.isfinite(root(*partials.BinnedPowerSum(p).power(digits), p))
             else:
                 power, rescue = sums.power_sum(counted, p)
-                finite = rescue or math.isfinite(power)  # a sum that needs the rescue is of finite values
+                finite = rescue or power < math.inf  # (>= 0; NaN fails) a rescued sum is of finite values
         except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
             error = exc
-    total = yield from header(error, spec, args.counting, args.size, count, power, rescue, not finite)
+    total = yield from header(error, spec, args.counting, args.size, power, rescue, not finite)
 
     if p == math.inf:  # MAX of max|x|; NaN travels as a flag (MPI's MAX may drop it)
         got = yield Reduce(np.array([power, float(nan)]), NormOp.MAX)
@@ -303,21 +309,21 @@ def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNorm
 
 # The header's slots, all SUM-reduced: this rank's error flag (1 where it failed); the argument
 # fingerprint, two 16-bit halves and their squares (sum(h^2)*R == sum(h)^2 only when all h agree,
-# exact up to 2**20 ranks); the elements counted; the sum |x|**p; the rescue flag (the plain sum
-# over- or underflowed); the flag of a non-finite own part; the layout's two ring sums (0 over
-# all ranks when the groups agree).
-_ERROR, _H1, _H1SQ, _H2, _H2SQ, _COUNT, _SUM, _RESCUE, _NONFINITE, _LAYOUT1, _LAYOUT2 = range(11)
-HEADER_SIZE = 11
+# exact up to 2**20 ranks); the sum |x|**p; the rescue flag (the plain sum over- or underflowed);
+# the flag of a non-finite own part; the layout's two ring sums (0 over all ranks when the
+# groups agree). Then the caller's ``extra`` slots.
+_ERROR, _H1, _H1SQ, _H2, _H2SQ, _SUM, _RESCUE, _NONFINITE, _LAYOUT1, _LAYOUT2 = range(10)
+HEADER_SIZE = 10
 
 
-class Sums(NamedTuple):
+@dataclass(slots=True)
+class Sums:
     """The header's sums over every rank, once the ranks agree."""
 
-    elements: float  # elements counted
     power: float  # sum |x|**p
     rescue: bool  # some rank's plain sum over- or underflowed
     nonfinite: bool  # some rank's own part is inf or NaN
-    extra: Sequence[float] = ()  # the sums of ``header``'s ``extra`` (per-group limits: each group's)
+    extra: Sequence[float] = ()  # the sums of ``header``'s ``extra`` (per-group limits: each group's sums)
 
 
 def header(
@@ -325,7 +331,6 @@ def header(
     spec: Spec,
     counting: Counting,
     size: int,
-    count: int,
     power: float,
     rescue: bool,
     nonfinite: bool,
@@ -343,7 +348,6 @@ def header(
             h1 * h1,
             h2,
             h2 * h2,
-            float(count),
             power,
             1.0 if rescue else 0.0,
             1.0 if nonfinite else 0.0,
@@ -355,7 +359,7 @@ def header(
     mismatch = total[_H1SQ] * size != total[_H1] ** 2 or total[_H2SQ] * size != total[_H2] ** 2
     if total[_ERROR] or mismatch or total[_LAYOUT1] != 0.0 or total[_LAYOUT2] != 0.0:
         yield from _agree(error, spec, counting, mismatch=mismatch and not total[_ERROR])
-    return Sums(total[_COUNT], total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0, total[HEADER_SIZE:])
+    return Sums(total[_SUM], total[_RESCUE] > 0, total[_NONFINITE] > 0, total[HEADER_SIZE:])
 
 
 def local_norm(arrays: Sequence[Any], p: float, backend: Any = partials) -> tuple[float, bool, float]:

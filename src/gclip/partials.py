@@ -134,6 +134,9 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
             total, rest = _compiled_sumsq(arrays)
         left = []
         for a in rest:  # the common case, one call per array, no working buffer
+            if p == 2.0 and a.dtype == _FLOAT64 and a.ndim == 1 and a.flags.c_contiguous:
+                total += float(a.dot(a))  # the commonest of _one_call_sum's cases, inline
+                continue
             s = _one_call_sum(a, p)
             if s is None:
                 left.append(a)
@@ -270,6 +273,9 @@ def multiply_by(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.nd
     if kernels is None:
         f32 = None  # the float32 factor, computed once, where a float32 array asks for it
         for a, b in zip(arrays, out):
+            if a.dtype.itemsize == 8:  # _multiply_one's float64 case, inline
+                np.multiply(a, factor, out=b)
+                continue
             if f32 is None and a.dtype.itemsize == 4 and in_float32:
                 f32 = float32_toward_zero(factor)
             _multiply_one(a, factor, f32, b)

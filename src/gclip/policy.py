@@ -23,12 +23,12 @@ _SMALLEST_NORMAL = sys.float_info.min
 
 def scale(norm: float, max_norm: float) -> float:
     """min(1, max_norm / norm); 1 for a zero norm; 1 (untouched) for inf/NaN."""
-    if norm == 0.0 or not math.isfinite(norm):
+    if norm == 0.0 or not norm < math.inf:  # a norm is >= 0: NaN and inf fail the test
         return 1.0
     factor = max_norm / norm
     if 0.0 < factor < _SMALLEST_NORMAL:  # fewer bits: rounded to nearest, it may lift the norm
         factor = _down_to_quotient(factor, max_norm, norm)
-    return min(1.0, factor)
+    return factor if factor < 1.0 else 1.0
 
 
 def _down_to_quotient(factor: float, num: float, den: float) -> float:

@@ -116,6 +116,10 @@ def _same_entry(a: Any, b: Any) -> bool:
 def read(value: Any, replicated: Any, inplace: bool) -> tuple[Grads, list[np.ndarray], Sequence[Any] | None]:
     """The engine's reader for numpy arrays: (the checked :class:`Grads`, its distinct
     arrays, their ``replicated=`` entries or None)."""
+    if replicated is None and type(value) is np.ndarray and value.dtype in _NATIVE:
+        if value.flags.writeable or not inplace:  # one plain array, as in grads(): a call saved
+            given = Grads([value], None, None, value)
+            return given, given.arrays, None
     given = grads(value, inplace)
     entries = None if replicated is None else given.per_array(entries_of(replicated, "array"), "replicated")
     return given, given.arrays, entries

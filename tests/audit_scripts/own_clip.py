@@ -25,11 +25,13 @@ from torch import nn
 import gclip.gallery.torch as gallery_torch
 import gclip.torch as gclip_torch
 
+PP_MESH: dict = {}  # pp-fsdp's DeviceMesh: its stages are named by comm= (a recorded root may be stale)
+
 
 def clip(mode: str, params: list, layout: str, group, limit: float) -> None:
     plain = True if layout in ("ddp", "tp") else None  # DDP's and TP's plain gradients: copies
     if mode == "global":
-        gclip_torch.clip_grad_norm_(params, limit, replicated=plain)
+        gclip_torch.clip_grad_norm_(params, limit, replicated=plain, comm=PP_MESH.get(layout))
     elif mode in ("dp-replicas-summed", "tp-duplicates-summed"):
         gclip_torch.clip_grad_norm_(params, limit, replicated=False)
     elif mode == "pp-stages-apart":
@@ -53,13 +55,14 @@ def main() -> None:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+        PP_MESH[args.layout] = mesh
         first = mesh["pp"].get_local_rank() == 0
         whole = net()
         model: nn.Module = (
             nn.Sequential(whole.inp, whole.blocks[0]) if first else nn.Sequential(whole.blocks[1], whole.out)
         )
         fully_shard(model, mesh=mesh["dp"])
-        group = mesh["dp"].get_group()
+        group = mesh["dp"]  # this stage's data-parallel ranks, as a DeviceMesh (its names are read)
         stage = PipelineStage(
             model, mesh["pp"].get_local_rank(), 2, torch.device("cpu"), group=mesh["pp"].get_group()
         )

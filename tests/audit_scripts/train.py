@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 MAX_NORM = 0.2
+PP_MESH: dict = {}  # pp-fsdp's DeviceMesh, named to gclip's clip as comm=
 
 
 def model() -> nn.Sequential:
@@ -43,7 +44,9 @@ def clip(how: str, params: list[nn.Parameter], layout: str) -> None:
     elif how == "gclip":
         from gclip.torch import clip_grad_norm_
 
-        clip_grad_norm_(params, MAX_NORM, replicated=True if layout == "ddp" else None)
+        # pipeline stages: named by the DeviceMesh given as comm= (torch's recorded root may be stale)
+        copies = True if layout == "ddp" else None
+        clip_grad_norm_(params, MAX_NORM, replicated=copies, comm=PP_MESH.get(layout))
     elif how == "per-rank":
         local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
@@ -116,6 +119,7 @@ def main() -> None:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+        PP_MESH["pp-fsdp"] = mesh
         stage_index = mesh["pp"].get_local_rank()
         net = net[:3] if stage_index == 0 else net[3:]
         fully_shard(net, mesh=mesh["dp"])

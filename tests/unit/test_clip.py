@@ -111,9 +111,29 @@ def gclip_depth(call) -> int:
 @pytest.mark.parametrize("inplace", [False, True])
 def test_a_default_clip_is_at_most_6_gclip_frames_deep(grads, inplace):
     comm = _OneRank()
-    gclip.clip_by_global_norm(grads, 1.0, comm=comm, inplace=inplace)  # the settings, checked once
+    gclip.clip_by_global_norm(grads, 0.5, comm=comm, inplace=inplace)  # the settings, checked once
     depth = gclip_depth(lambda: gclip.clip_by_global_norm(grads, 0.5, comm=comm, inplace=inplace))
     assert 3 <= depth <= 6, depth  # 3: the counter sees the API, its driver and the program
+
+
+def gclip_calls(call) -> int:
+    """gclip's own Python calls while ``call()`` runs (cProfile; C calls and other packages' aside)."""
+    import cProfile
+    import os
+    import pstats
+
+    root = os.path.dirname(gclip.__file__) + os.sep
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    return sum(v[1] for (path, _, _), v in pstats.Stats(profiler).stats.items() if path.startswith(root))
+
+
+def test_a_default_clip_makes_half_the_calls_it_made_before_the_lean_core():
+    grads, comm = np.ones(1000), _OneRank()
+    gclip.clip_by_global_norm(grads, 0.5, comm=comm)  # the settings, checked (and cached) once
+    calls = gclip_calls(lambda: gclip.clip_by_global_norm(grads, 0.5, comm=comm))
+    assert 3 <= calls <= 17, calls  # 35 before: a call layer, Steps, the hook (docs/architecture.md)
+    assert gclip_calls(lambda: gclip.clip_simulated([grads] * 2, 1.0)) > 17  # the counter counts
 
 
 def test_the_depth_counter_sees_a_deeper_call():

@@ -6,6 +6,7 @@ first error; norms are checked against exact arithmetic (fractions) or math.fsum
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 from typing import Any
@@ -58,7 +59,7 @@ def programs(shards, p: float = 2.0, reproducible: bool = False, backends=None, 
             reproducible=reproducible,
         )
         if refused is not None and refused[r] is not None:
-            args = args._replace(error=refused[r])
+            args = dataclasses.replace(args, error=refused[r])
         out.append(engine.program(args))
     return out
 

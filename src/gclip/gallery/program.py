@@ -102,10 +102,10 @@ def program(
         _with_mode(spec, "unknown" if refused else bug.name),
         args.counting,
         size,
-        part.count,
         part.power if in_header else 0.0,
         part.rescue and in_header,
         not math.isfinite(part.norm),
+        extra=(float(part.count),),  # the elements counted, for the bugs that divide by them
     )
     power: tuple[float, int] | None = None
     if bug.scope is Scope.SELF:  # no other rank is asked
@@ -128,7 +128,7 @@ def program(
     else:
         norm, power = root(total.power, 0, p), (total.power, 0)
     if bug.finishes:
-        norm = bug.finish(norm, p=p, count=int(total.elements), ranks=size, power=power)
+        norm = bug.finish(norm, p=p, count=int(total.extra[0]), ranks=size, power=power)
     if args.error_if_nonfinite:
         # decided on what every rank knows: the global norm, or (each rank its own) the header's flag
         if total.nonfinite if bug.scope is Scope.SELF else not math.isfinite(norm):

@@ -78,12 +78,11 @@ def program(
         c.arrays if c.counting.owned is None else [a for a, o in zip(c.arrays, c.counting.owned) if o]
         for c in calls
     ]
-    count, extra, digits, tops, finite = 0, [0.0] * (2 * MAX_GROUPS), [], [], True
+    extra, digits, tops, finite = [0.0] * (2 * MAX_GROUPS), [], [], True
     if error is None:
         try:
             for g, (c, arrays) in enumerate(zip(calls, counted)):
                 sums = c.backend.partials
-                count += sums.count(arrays)
                 if p == math.inf:
                     top, nan = sums.max_abs(arrays)
                     tops += [top, float(nan)]
@@ -98,7 +97,7 @@ def program(
         except Exception as exc:  # noqa: BLE001 - every error is agreed on, then re-raised
             error = exc
     total = yield from engine.header(
-        error, spec, _combined_counting(calls), size, count, 0.0, False, not finite, extra
+        error, spec, _combined_counting(calls), size, 0.0, False, not finite, extra
     )
 
     groups = range(len(calls))
