@@ -225,3 +225,55 @@ def test_every_list_op_runs_on_matrices_and_clips_to_the_limit(active):
             assert math.isclose(norm.value, after, rel_tol=1e-6), name  # the next rep's limit follows
         else:
             assert all(np.array_equal(a, o) for a, o in zip(arrays, original)), name
+
+
+def test_overhead_rows_and_table_by_hand():
+    """The one-process rows: the ratio to torch's clip, the target (1.05 for GPT-2 active only),
+    the table; ``--lists overhead`` names the three workloads."""
+    from gclip.bench import torch_overhead
+
+    assert options.parse_lists("overhead") == [w.name for w in workloads.OVERHEAD_LISTS]
+    assert [len(w.shapes) for w in workloads.OVERHEAD_LISTS] == [1, 2000, 148]
+    gpt2 = workloads.OVERHEAD_LISTS[2]
+    assert torch_overhead.limit_of(gpt2, True) == 1.05 and torch_overhead.limit_of(gpt2, False) == 1.0
+    times = {
+        "gclip.torch": {"median_s": 0.0011, "min_s": 0.001, "reps": 5, "cpu_median_s": 0.001},
+        "torch": {"median_s": 0.001, "min_s": 0.0009, "reps": 5, "cpu_median_s": 0.002},
+    }
+    rows = torch_overhead.overhead_rows(gpt2, True, times, 0)
+    mine = next(r for r in rows if r["impl"] == "gclip.torch")
+    assert mine["vs_torch"] == pytest.approx(1.1) and mine["cpu_vs_torch"] == pytest.approx(0.5)
+    assert mine["ok"] is False and mine["limit"] == 1.05
+    line = table.format_torch_overhead(rows).splitlines()[-1]
+    assert line.split()[:3] == ["overhead-gpt2-small", "148", "active"] and "MISS <= 1.05" in line, line
+
+
+@pytest.mark.parametrize("active", [False, True])
+def test_overhead_ops_clip_like_torch(active):
+    """Both one-process ops on a small list: active, each ends at its limit (fsum oracle);
+    off, the gradients are untouched."""
+    torch = pytest.importorskip("torch")
+    from gclip.bench import torch_overhead
+
+    wl = workloads.ListWorkload("small", ((5, 3), (7,), (64,)), "float32", 1)
+    for name in ("gclip.torch", "torch"):
+        params = torch_lists_params(torch, wl)
+        original = [p.grad.clone() for p in params]
+        before = math.sqrt(math.fsum(float(v) ** 2 for p in params for v in p.grad.double().flatten()))
+        norm = Norm(before)
+        ops = dict(torch_overhead.overhead_ops(torch, params, norm, active))
+        ops[name]()
+        after = math.sqrt(math.fsum(float(v) ** 2 for p in params for v in p.grad.double().flatten()))
+        if active:
+            limit = before * (1 - workloads.DELTA)
+            want = limit if name == "gclip.torch" else limit * before / (before + TORCH_EPS)
+            assert math.isclose(after, want, rel_tol=1e-6), name
+            assert math.isclose(norm.value, after, rel_tol=1e-6), name
+        else:
+            assert all(torch.equal(p.grad, o) for p, o in zip(params, original)), name
+
+
+def torch_lists_params(torch, wl):
+    from gclip.bench import torch_lists
+
+    return torch_lists._params(torch, wl, 0)

@@ -13,15 +13,18 @@ import functools
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _torch_partials, engine, reader
+from . import _dtensor, _kernels, _torch_partials, engine, reader
 from .errors import GclipTypeError, GclipValueError
 
 __all__ = ["FLOAT_DTYPES", "Gradients", "backend", "gradients"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DENSE_DTYPES = frozenset(FLOAT_DTYPES)
+_STRIDED = torch.strided
 
 
 def _as_list(value: Any, name: str) -> list[Any]:
@@ -83,9 +86,11 @@ def _read(
     probe: torch.Tensor | None = None,
 ) -> Any:
     """The engine's reader for tensors: (the gradients, each distinct one once, their entries)."""
-    read = gradients(items, replicated, of_parameters=of_parameters, probe=probe)._replace(foreach=foreach)
+    read = gradients(items, replicated, of_parameters=of_parameters, probe=probe, foreach=foreach)
     if inplace:  # refused here, the error is agreed; torch's multiply would raise on this rank alone
         for g, where in zip(read.scaled_tensors, read.wheres):
+            if g.is_contiguous() and g.numel():
+                continue  # dense: no stride 0 along an axis of more than one element
             if any(stride == 0 and n > 1 for n, stride in zip(g.shape, g.stride())):
                 raise GclipValueError(
                     f"{where} is expanded (stride 0: several elements are one memory location) and "
@@ -115,13 +120,15 @@ def gradients(
     of_parameters: bool,
     reduce: bool = True,
     probe: torch.Tensor | None = None,
+    foreach: bool | None = None,
 ) -> Gradients:
     """The gradients to clip: parameters' .grad (None skipped) or the tensors themselves.
 
     The same gradient given twice counts once and is scaled once; two that
     overlap in memory in part are an error. ``reduce``: Partial gradients are reduced (a
     collective) to be counted; False: read alone, to be scaled (no communication).
-    ``probe``: one more plain tensor, this rank's own, counted after the others.
+    ``probe``: one more plain tensor, this rank's own, counted after the others. ``foreach``:
+    how the scale is applied (``Gradients.foreach``).
     """
     name = "parameters" if of_parameters else "tensors"
     items = _as_list(items, name)
@@ -144,7 +151,11 @@ def gradients(
             if item is None:
                 raise GclipTypeError(f"tensors[{i}] is None: pass only the gradients that exist")
             where, g = f"tensors[{i}]", item
-        g, entry = _checked(g, where), None if replicated is None else replicated[i]
+        entry = None if replicated is None else replicated[i]
+        if type(g) is torch.Tensor and g.dtype in _DENSE_DTYPES and g.layout is _STRIDED and not g.is_meta:
+            picked.append((where, g, entry))  # a plain dense float tensor: what _checked passes
+            continue
+        g = _checked(g, where)
         if _dtensor.is_dtensor(g):  # its placements say what it holds; an entry only adds copies
             if alone and not _dtensor._is_names(entry):
                 entry = None
@@ -167,8 +178,10 @@ def gradients(
         picked.append((where, g, entry))
     if probe is not None:
         picked.append(("the GradScaler's found_inf", probe, False))
-    kept = _distinct(picked)
-    tensors = [g for _, g, _ in kept]
+    table = _plain_table(picked)
+    kept = picked if table is not None else _distinct(picked)
+    tensors = _torch_partials.Tensors(g for _, g, _ in kept)
+    tensors.table = table if table is not None and table.compiled else None  # (0: not all of a kind)
     counted = (
         partial.reduce(tensors) if reduce else tensors
     )  # Partial sums: their reduced copies are what is counted
@@ -176,6 +189,7 @@ def gradients(
         counted,
         [e for _, _, e in kept],
         [w for w, _, _ in kept],
+        foreach,
         targets=None if counted is tensors else tensors,
     )
 
@@ -238,12 +252,13 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
     by_memory: dict[tuple[Any, int], list[int]] = {}
     first: dict[Any, int] = {}  # a gradient's identity -> its first position
     repeat: dict[int, int] = {}
+    compiling = torch.compiler.is_compiling()
     for i, (_, g, _) in enumerate(picked):
         if id(g) in first:
             repeat[i] = first[id(g)]
             continue
         first[id(g)] = i
-        if g.numel() and _has_memory(g):
+        if g.numel() and not compiling and _has_memory(g):
             by_memory.setdefault((g.device, g.untyped_storage().data_ptr()), []).append(i)
     for members in by_memory.values():
         if len(members) > 1:
@@ -258,14 +273,49 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
     return [item for i, item in enumerate(picked) if i not in repeat]
 
 
+def _plain_table(picked: list[tuple[str, torch.Tensor, Any]]) -> Any:
+    """Where the gradients are plainly distinct (plain CPU tensors, each contiguous, no two the
+    same object, no two byte ranges meeting: one sort for the whole list), their table for the
+    compiled kernels (``_torch_partials.Tensors``), read from each tensor once; an empty Table
+    where they are distinct but not all contiguous float32 or float64 (or one requires grad:
+    its numpy view is refused, as before). None: the item-by-item reading (``_distinct``) says
+    which gradients repeat and which overlap."""
+    if torch.compiler.is_compiling():
+        return None
+    ptr, size, kind, nbytes = [], [], [], []
+    for _, g, _ in picked:
+        if type(g) is not torch.Tensor or not g.is_cpu or not g.is_contiguous():
+            return None
+        ptr.append(g.data_ptr())
+        size.append(g.numel())
+        kind.append(0 if g.requires_grad else _torch_partials.TABLE_KINDS.get(g.dtype, 0))
+        nbytes.append(g.element_size())
+    lo, n = np.array(ptr, np.int64), np.array(size, np.int64)
+    if len(picked) > 1:
+        if len({id(g) for _, g, _ in picked}) < len(picked):
+            return None
+        hi = lo + n * np.array(nbytes, np.int64)
+        full = n > 0
+        order = np.argsort(lo[full], kind="stable")
+        start, end = lo[full][order], hi[full][order]
+        if np.any(start[1:] < np.maximum.accumulate(end)[:-1]):
+            return None
+    if not all(kind):
+        return _NO_TABLE
+    return _kernels.Table(lo, n, np.array(kind, np.int64), len(picked))
+
+
+_NO_TABLE = _kernels.Table(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
+
+
 def _has_memory(g: torch.Tensor) -> bool:
-    """Can its memory be compared? Not while compiling (data_ptr cannot be traced), nor for
-    tensors that hold none (FakeTensorMode): those are told apart by identity only."""
+    """Can its memory be compared? Not for tensors that hold none (FakeTensorMode): those are
+    told apart by identity only (nor while compiling: the caller asks that once)."""
     if type(g) is torch.Tensor or type(g) is torch.nn.Parameter:
-        return not torch.compiler.is_compiling()  # a plain tensor: the common case, at once
+        return True  # a plain tensor: the common case, at once
     from torch._subclasses.fake_tensor import is_fake
 
-    return not torch.compiler.is_compiling() and not is_fake(g)
+    return not is_fake(g)
 
 
 def _same_memory(picked: list[tuple[str, torch.Tensor, Any]], members: list[int]) -> dict[int, int]:

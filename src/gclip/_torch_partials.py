@@ -29,6 +29,8 @@ from .partials import BinnedPowerSum
 __all__ = [
     "CPU_CHUNK",
     "DEVICE_CHUNK",
+    "TABLE_KINDS",
+    "Tensors",
     "binned_digits",
     "chunk_size",
     "chunks",
@@ -136,6 +138,22 @@ def _by_path(arrays: Sequence[torch.Tensor]) -> tuple[list[Any], list[Any], list
     return host, bf16, rest
 
 
+TABLE_KINDS = {torch.float32: _kernels.F32, torch.float64: _kernels.F64}
+
+
+class Tensors(list):  # type: ignore[type-arg]
+    """The distinct gradients of one call, with their table for the compiled kernels where the
+    reading made one (``_torch_gradients``: plain contiguous float32/float64 CPU tensors, apart
+    in memory), read from the tensors on this call: nothing is kept between calls."""
+
+    table: Any = None
+
+
+def _table(arrays: Sequence[torch.Tensor]) -> Any:
+    """The table of every tensor of ``arrays`` (None where it has none)."""
+    return arrays.table if type(arrays) is Tensors else None
+
+
 def count(arrays: Sequence[torch.Tensor]) -> int:
     """Elements in the tensors (no device work)."""
     return sum(t.numel() for t in arrays)
@@ -151,6 +169,15 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
     pass over the data twice; contiguous CPU bfloat16 is squared from its bits
     by a compiled kernel (p = 2). The rest (other devices, other bfloat16) stays here.
     """
+    table, kernels = _table(arrays), _kernels.get()
+    if table is not None and kernels is not None and p == 2.0 and len(arrays) >= _kernels.MANY:
+        # many: one compiled call, as numpy's path takes their views (the same table: the same sum)
+        total = kernels.sumsq(table)
+        return total, partials.needs_rescue(
+            total,
+            lambda: _any(arrays, lambda c: c.any()),
+            lambda: _any(arrays, lambda c: ~torch.isfinite(c).all()),
+        )
     host, bf16, rest = _by_path(arrays)
     total = partials.power_sum([t.numpy() for t in host], p)[0] if host else 0.0
     kernels = _kernels.get() if p == 2.0 and bf16 else None
@@ -159,7 +186,9 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
             total += float(kernels.sumsq_bf16(t.view(torch.int16).numpy().view(np.uint16).reshape(-1)))
         else:
             rest.append(t)
-    if p == 2.0:
+    if not rest:
+        pass  # every tensor summed above
+    elif p == 2.0:
         total += _sum_on_devices(rest, lambda c: torch.dot(c, c))
     elif p == 1.0:
         total += _sum_on_devices(rest, lambda c: c.abs().sum())
@@ -211,6 +240,13 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
     """
     if factor == 1.0 or not arrays:  # exactly 1: nothing to do, not even a read
         return
+    table, kernels = _table(arrays), _kernels.get()
+    if table is not None and kernels is not None and foreach is not False and _in_float32(factor):
+        # the compiled multiply over the table: the same products (float32 by the float32
+        # factor, float64 by the factor), one call; autograd told, as torch's own mul_ does
+        kernels.multiply_table(table, factor, partials.float32_toward_zero(factor))
+        torch._C._increment_version(arrays)
+        return
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in arrays:
         groups.setdefault((g.device, g.dtype), []).append(g)
@@ -225,6 +261,14 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
                 g.mul_(f)
         else:
             torch._foreach_mul_(group, f)
+
+
+def _in_float32(factor: float) -> bool:
+    """Is the float32 factor a normal float (or 0)? Elsewhere torch's multiply keeps the say."""
+    return factor == 0.0 or _FLOAT32_TINY <= factor <= _FLOAT32_MAX
+
+
+_FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 # ---------------------------------------------------------------------------

@@ -96,13 +96,19 @@ class _TorchGroup:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.ranks = {g: i for i, g in enumerate(_global_ranks(group))}  # global rank -> rank in group
         # NCCL reduces only tensors on the current CUDA device; gloo (or "cpu:gloo,cuda:nccl") on the CPU
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.nccl = dist.get_backend(group) == "nccl"
+
+    @property
+    def device(self) -> torch.device:
+        """Where the header is reduced: NCCL's current CUDA device (read at each use), else the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
 
     def run(self, program: Generator[engine.Reduce | engine.Gather, Any, _T]) -> _T:
         return drivers.drive(program, self._all_reduce, self._all_gather)
 
     def _all_reduce(self, data: np.ndarray, op: engine.NormOp) -> np.ndarray:
+        if self.size == 1:
+            return data  # a group of one: the sum (or max) over it is this rank's own
         buf = torch.tensor(data, dtype=torch.float64, device=self.device)
         dist.all_reduce(
             buf,
@@ -113,6 +119,8 @@ class _TorchGroup:
         return out
 
     def _all_gather(self, item: Any) -> list[Any]:  # the error path: one small picklable item per rank
+        if self.size == 1:
+            return [item]
         items: list[Any] = [None] * self.size
         dist.all_gather_object(items, item, group=self.process_group)
         return items
@@ -154,7 +162,7 @@ def _world(comm: Any) -> _Mpi | _TorchGroup | _Lone:
     """What to clip over; a one-line error otherwise (the same on every rank: no collective yet)."""
     if comm is None:
         if dist.is_available() and dist.is_initialized():
-            return _TorchGroup(dist.group.WORLD)
+            return _default_group()
         if torch.compiler.is_compiling():  # mpi4py cannot be traced: one process, or refused
             if _mpi_world_size() > 1:
                 raise GclipValueError(
@@ -173,6 +181,20 @@ def _world(comm: Any) -> _Mpi | _TorchGroup | _Lone:
     raise GclipTypeError(
         f"comm must be an mpi4py communicator or a torch.distributed ProcessGroup, got {type(comm).__name__}"
     )
+
+
+_DEFAULT: list[_TorchGroup] = []  # the default group, read once per group object
+
+
+def _default_group() -> _TorchGroup:
+    """comm=None under torch.distributed: the default group, as read the last time it was
+    this very object (a group's ranks never change; a new init_process_group is a new one)."""
+    world = dist.group.WORLD
+    if torch.compiler.is_compiling():
+        return _TorchGroup(world)  # traced as before: no module state written in a graph
+    if not _DEFAULT or _DEFAULT[0].process_group is not world:
+        _DEFAULT[:] = [_TorchGroup(world)]
+    return _DEFAULT[0]
 
 
 @torch.compiler.assume_constant_result

@@ -20,6 +20,7 @@ from .table import fmt_n, fmt_t
 from .targets import targets
 from .timing import time_allreduce
 from .torch_lists import bench_torch_list
+from .torch_overhead import bench_overhead
 from .workloads import BUSY_LOAD, DELTA, LISTS, auto_repeat, shard
 
 __all__ = ["REPORTED_VARS", "SCHEMA", "case_rows", "effective_bytes", "run_bench"]
@@ -95,6 +96,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
     memory: list[dict] = []
     lists: list[dict] = []
     torch_lists: list[dict] = []
+    overhead: list[dict] = []
     steps: list[dict] = []
     try:
         for dtype in args.dtypes:
@@ -118,6 +120,10 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         torch_lists = bench_torch_list(comm, torch_ctx, args.lists, args.repeat)
         if torch_lists:
             _progress(f"gclip.torch lists: {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        overhead = bench_overhead(comm, torch_ctx, args.lists, args.repeat)
+        if overhead:
+            _progress(f"gclip.torch overhead, one process: {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         steps = bench_step(comm, torch_ctx, args.lists, args.repeat)
         if steps:
@@ -143,6 +149,7 @@ def run_bench(comm: Any, args: Any) -> dict[str, Any] | None:
         "memory": memory,
         "lists": lists,
         "torch_lists": torch_lists,
+        "torch_overhead": overhead,
         "steps": steps,
         "first_call": None if args.quick else first_call_memory(),
         "targets": targets(rows, memory, collectives, ar, lists, steps),

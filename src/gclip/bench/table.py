@@ -17,6 +17,7 @@ __all__ = [
     "format_steps",
     "format_table",
     "format_torch_lists",
+    "format_torch_overhead",
 ]
 
 
@@ -129,6 +130,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"gclip.torch on torch parameters, per rank (gloo group; slowest rank, median; {_cpu(result)}):"
         )
         out.append(format_torch_lists(result["torch_lists"]))
+    if result.get("torch_overhead"):
+        out.append(
+            "gclip.torch against torch's clip_grad_norm_(foreach=True), one process "
+            f"(interleaved; median; {_cpu(result)}):"
+        )
+        out.append(format_torch_overhead(result["torch_overhead"]))
     first = result.get("first_call")
     if first:
         out.append(
@@ -190,6 +197,24 @@ def format_torch_lists(rows: list[dict]) -> str:
         line = [name, g["dtype"], str(g["tensors"]), "active" if active else "off"]
         line += [fmt_t(g["median_s"]), fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}"]
         line += [fmt_t(p["median_s"]), f"{p['vs_default']:.2f}"] if p else ["-", "-"]
+        lines.append(line)
+    return columns(lines)
+
+
+def format_torch_overhead(rows: list[dict]) -> str:
+    """gclip.torch against torch's own clip in one process: times, ratios, the target (empty when
+    none ran)."""
+    if not rows:
+        return ""
+    lines = [["workload", "tensors", "clip", "gclip.torch", "torch", "gclip/torch", "cpu ratio", "target"]]
+    keys = sorted({(r["workload"], r["active"]) for r in rows})
+    for name, active in keys:
+        got = {r["impl"]: r for r in rows if (r["workload"], r["active"]) == (name, active)}
+        g, t = got["gclip.torch"], got["torch"]
+        line = [name, str(g["tensors"]), "active" if active else "off"]
+        line += [fmt_t(g["median_s"]), fmt_t(t["median_s"]), f"{g['vs_torch']:.2f}"]
+        line += [f"{g['cpu_vs_torch']:.2f}" if "cpu_vs_torch" in g else "-"]
+        line += [f"{'ok' if g['ok'] else 'MISS'} <= {g['limit']:g}"]
         lines.append(line)
     return columns(lines)
 

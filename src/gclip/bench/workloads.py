@@ -27,6 +27,8 @@ __all__ = [
     "MAX_ELEMENTS",
     "MAX_RANKS",
     "MEMORY_HEADROOM",
+    "OVERHEAD_LIMITS",
+    "OVERHEAD_LISTS",
     "QUICK_REPEAT",
     "QUICK_SIZES",
     "REPS_MAX",
@@ -136,6 +138,14 @@ TORCH_LISTS = (
     ListWorkload("gpt2-small-torch", GPT2_SMALL, "float32", 5),
     ListWorkload("gpt2-small-torch-bf16", GPT2_SMALL, "bfloat16", 5),
 )
+# one process: gclip.torch against torch's own clip_grad_norm_(foreach=True), per-call overhead
+# included (``--lists overhead`` names all three)
+OVERHEAD_LISTS = (
+    ListWorkload("overhead-1", ((1000,),), "float32", 400),
+    ListWorkload("overhead-2000x64", ((64,),) * 2000, "float32", 40),
+    ListWorkload("overhead-gpt2-small", GPT2_SMALL, "float32", 7),
+)
+OVERHEAD_LIMITS = {"overhead-gpt2-small": (1.0, 1.05)}  # (off, active) ratio targets; others 1.0
 DEFAULT_LISTS = "gpt2-small,tiny,gpt2-small-torch,gpt2-small-torch-bf16"
 LIST_SCALE = 1e-3  # gradient-like magnitudes
 
