@@ -223,6 +223,7 @@ def test_one_clip_over_muon_and_the_biases_is_named_with_its_attenuation():
     ],
 )
 def test_the_audits_adaptive_option_refuses_bad_input_in_one_line(args, says, capsys, tmp_path):
+    pytest.importorskip("torch", reason="gclip.audit needs PyTorch (pip install 'gclip[torch]')")
     from gclip.audit.__main__ import parse
 
     script = tmp_path / "train.py"

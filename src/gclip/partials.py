@@ -273,9 +273,6 @@ def multiply_by(arrays: Sequence[np.ndarray], factor: float, out: Sequence[np.nd
     if kernels is None:
         f32 = None  # the float32 factor, computed once, where a float32 array asks for it
         for a, b in zip(arrays, out):
-            if a.dtype.itemsize == 8:  # _multiply_one's float64 case, inline
-                np.multiply(a, factor, out=b)
-                continue
             if f32 is None and a.dtype.itemsize == 4 and in_float32:
                 f32 = float32_toward_zero(factor)
             _multiply_one(a, factor, f32, b)
