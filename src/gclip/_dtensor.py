@@ -111,6 +111,8 @@ def _info(mesh: Any, comm_mesh: Any = None) -> _MeshInfo:
     if info is None:
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
         info = _placed_on(mesh, root, named=False)
+    if info is None:  # a mesh torch made by flattening or unflattening (torchtitan's): read alone,
+        info = _placed_on(mesh, mesh, named=False)  # ranks outside it hold other tensors
     if info is None:
         raise GclipValueError("a gradient's DeviceMesh is not a slice of its root mesh")
     _INFO[key] = (weakref.ref(mesh), None if comm_mesh is None else weakref.ref(comm_mesh), info)
