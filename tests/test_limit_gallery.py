@@ -219,10 +219,14 @@ def test_one_clip_over_muon_and_the_biases_is_named_with_its_attenuation():
     [
         (["--adaptive", "clipz"], "unknown adaptive clipper"),
         (["--adaptive", "zclip:alpha=2"], "alpha"),
-        (["--adaptive", "zclip", "--max-norm", "1"], "drop --max-norm"),
+        (["--adaptive", "zclip", "--max-norm", "1"], "--max-norm and --adaptive name different limits"),
+        (["--agc", "--max-norms", "1,none"], "--max-norms and --agc name different limits: give one"),
+        (["--max-norms", "1,x"], "--max-norms 1,x: could not convert string to float: 'x'"),
+        (["--max-norms", "1,-2"], "a limit must be >= 0 or none, got -2"),
+        (["--agc", "--agc-clipping", "0"], "--agc: clipping must be > 0 and eps >= 0, got 0 and 0.001"),
     ],
 )
-def test_the_audits_adaptive_option_refuses_bad_input_in_one_line(args, says, capsys, tmp_path):
+def test_the_audits_limit_options_refuse_bad_input_in_one_line(args, says, capsys, tmp_path):
     pytest.importorskip("torch", reason="gclip.audit needs PyTorch (pip install 'gclip[torch]')")
     from gclip.audit.__main__ import parse
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..conformance import limits
 from . import capture, verdict
+from . import limits as audit_limits
 
 __all__ = ["Auditor"]
 
@@ -64,6 +65,8 @@ class Auditor:
         report: Callable[[verdict.StepReport], None] | None = None,
         seed: int = 0,
         adaptive: str | None = None,
+        max_norms: list[float | None] | None = None,
+        agc: tuple[float, float] | None = None,
     ) -> None:
         if plain not in PLAIN:
             raise ValueError(f"plain must be one of {', '.join(PLAIN)}, got {plain!r}")
@@ -89,6 +92,9 @@ class Auditor:
         self._thresholds: Any = None  # the adaptive clipper's candidates, made on the first step
         if adaptive is not None:
             self._make_threshold = limits.threshold(adaptive)
+        self.max_norms = max_norms  # one limit per optimizer parameter group (None: not clipped)
+        self.agc = agc  # (clipping, eps): the script clips unit-wise
+        self._units_before: dict[int, list[capture.Sketch]] = {}
 
     # -- installing
 
@@ -240,6 +246,8 @@ class Auditor:
         for p in list(params):
             if isinstance(p, torch.Tensor) and p.grad is not None and id(p) in self._seeds:
                 self._before[id(p)] = capture.sketch(p.grad, self._seeds[id(p)])
+                if self.agc is not None:
+                    self._units_before[id(p)] = capture.unit_sketches(p.grad, self._seeds[id(p)])
 
     # -- the step
 
@@ -271,8 +279,10 @@ class Auditor:
         if self.steps is not None and len(self.reports) >= self.steps:
             return
         params: list[Any] = []
-        for group in optimizer.param_groups:
+        groups: dict[int, int] = {}  # parameter id -> its parameter group
+        for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
+                groups.setdefault(id(p), g)
                 if p.grad is not None and id(p) not in {id(q) for q in params}:
                     params.append(p)
         self.watch(params)
@@ -280,13 +290,15 @@ class Auditor:
             return  # no backward since this optimizer's parameters were audited: a wrapper's inner step
         self._stepping = True
         try:
-            self._audit(params)
+            self._audit(params, groups)
         finally:
             self._stepping = False
 
-    def _audit(self, params: list[Any]) -> None:
+    def _audit(self, params: list[Any], groups: dict[int, int]) -> None:
         pieces = []
         layout = self._layout(params)
+        stage = self._stage(params)
+        units = self._unit_pieces(params, layout, stage) if self.agc is not None else ()
         for p, (holders, copies) in zip(params, layout):
             seed = self._seeds[id(p)]
             before = self._before.get(id(p))
@@ -297,19 +309,32 @@ class Auditor:
             scale, uniform = capture.factor(before, after)
             placed = _is_dtensor(p.grad)
             piece = verdict.Piece(
-                holders, copies, before.sumsq, before.count, scale, uniform, before.dtype, placed, seen
+                holders,
+                copies,
+                before.sumsq,
+                before.count,
+                scale,
+                uniform,
+                before.dtype,
+                placed,
+                seen,
+                groups.get(id(p), 0),
             )
             pieces.append(piece)
             self._audited[id(p)] = self._backward
-        stage = self._stage(params)
-        row = verdict.Row(_rank(), stage, pieces, self._seen_max_norm, self._seen_norm, self._holds(params))
+        holds = self._holds(params)
+        row = verdict.Row(_rank(), stage, pieces, self._seen_max_norm, self._seen_norm, holds, units)
         rows = _gather(row)
         self._seen_max_norm = self._seen_norm = None
         if not any(p.seen for r in rows for p in r.pieces):  # the same on every rank
             if _rank() == 0:
                 print(UNSEEN, flush=True)
             return
-        if self.adaptive is None:
+        if self.max_norms is not None:
+            report = audit_limits.grade_groups(len(self.reports), rows, self.max_norms)
+        elif self.agc is not None:
+            report = audit_limits.grade_agc(len(self.reports), rows, *self.agc)
+        elif self.adaptive is None:
             report = verdict.grade_step(len(self.reports), rows, self.max_norm, self.max_norm is not None)
         else:
             limit, more, bounded = self._adaptive_limits(rows)
@@ -320,6 +345,21 @@ class Auditor:
         self.reports.append(report)
         if self.report is not None:
             self.report(report)
+
+    def _unit_pieces(self, params: list[Any], layout: list[Any], stage: int | None) -> tuple:
+        """This rank's unit pieces for --agc, each copy once (the first holder's): (unit, weight
+        squares, gradient squares as backward left them, the factor the optimizer's got)."""
+        rank, out = _rank(), []
+        for i, (p, (holders, _)) in enumerate(zip(params, layout)):
+            before = self._units_before.get(id(p))
+            if holders[0] != rank or before is None:
+                continue
+            after = capture.unit_sketches(p.grad, self._seeds[id(p)])
+            first = _first_unit(p)
+            for k, (b, a, w_sq) in enumerate(zip(before, after, capture.unit_squares(p))):
+                factor, uniform = capture.factor(b, a)
+                out.append(((stage, i, first + k), w_sq, b.sumsq, factor if uniform else math.nan))
+        return tuple(out)
 
     def _adaptive_limits(self, rows: list[verdict.Row]) -> tuple[float, dict[str, list[float]], bool]:
         """This step's correct limit (the adaptive rule fed the true global norm) and, per bug of
@@ -424,6 +464,16 @@ class Auditor:
                     coord = root.get_coordinate()
                     return None if coord is None else int(coord[names.index("pp")])
         return None
+
+
+def _first_unit(p: Any) -> int:
+    """The global index of this rank's first unit of ``p`` (rows: dim 0; a vector is unit 0)."""
+    if p.dim() <= 1 or not _is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0])
 
 
 def _is_dtensor(t: Any) -> bool:

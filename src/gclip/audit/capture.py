@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CHUNK", "Sketch", "local", "sketch"]
+__all__ = ["CHUNK", "Sketch", "factor", "local", "sketch", "unit_sketches", "unit_squares"]
 
 CHUNK = 1 << 20  # values of the Gaussian vector drawn at once (8 MiB in float64)
 
@@ -98,3 +98,41 @@ def factor(before: Sketch, after: Sketch) -> tuple[float | None, bool]:
     agree = abs(after.gauss - scale * before.gauss) <= slack
     agree = agree and abs(after.total - scale * before.total) <= slack * math.sqrt(before.count)
     return scale, agree
+
+
+# -- per unit (the audit's --agc): a row of a matrix, an output channel; a vector is one unit
+
+
+def _units(values: torch.Tensor) -> torch.Tensor:
+    """The local values as (units, values per unit), in torch's out-first layout (timm's)."""
+    if values.dim() <= 1:
+        return values.reshape(1, values.numel())
+    return values.reshape(values.shape[0], math.prod(values.shape[1:]))  # (an empty shard: 0 rows)
+
+
+@torch.no_grad()
+def unit_sketches(grad: Any, seed: int) -> list[Sketch]:
+    """One sketch per local unit of ``grad`` (its Gaussian vectors drawn from ``seed``), so
+    that a unit-wise clip's factor is read unit by unit; rows are drawn in bounded chunks."""
+    values = local(grad).detach()
+    rows = _units(values)
+    dtype = str(values.dtype).replace("torch.", "")
+    generator = torch.Generator(device=rows.device)
+    generator.manual_seed(seed)
+    step = max(1, CHUNK // max(1, rows.shape[1]))
+    out: list[Sketch] = []
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start : start + step].to(torch.float64)
+        draw = torch.randn(chunk.shape, generator=generator, dtype=torch.float64, device=chunk.device)
+        sums = zip((chunk * chunk).sum(1).tolist(), chunk.sum(1).tolist(), (chunk * draw).sum(1).tolist())
+        for sumsq, total, gauss in sums:
+            finite = math.isfinite(sumsq) and math.isfinite(total) and math.isfinite(gauss)
+            out.append(Sketch(rows.shape[1], sumsq, total, gauss, seed, finite, dtype))
+    return out
+
+
+@torch.no_grad()
+def unit_squares(tensor: Any) -> list[float]:
+    """Each local unit's float64 sum of squares (a parameter's: the weight's norm AGC reads)."""
+    rows = _units(local(tensor).detach()).to(torch.float64)
+    return (rows * rows).sum(1).tolist()

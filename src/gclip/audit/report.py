@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import sys
 
 import torch.distributed as dist
@@ -41,7 +42,10 @@ class Summary:
         grades = collections.Counter(r.grade for r in self.reports)
         bugs = collections.Counter(r.fingerprint for r in self.reports if r.fingerprint)
         clipped = sum(r.clipped for r in self.reports)
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()
+        elif not self.reports:  # the script ended its process group: the launcher's word
+            self.rank = int(os.environ.get("RANK", "0"))
         if self.rank == 0:
             if not self.reports:
                 print("gclip.audit: no optimizer step was audited (no backward, or no optimizer stepped)")

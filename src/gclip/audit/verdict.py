@@ -49,6 +49,7 @@ class Piece(NamedTuple):
     dtype: str
     placed: bool = False  # a DTensor's local piece (its placements say who holds copies)
     seen: bool = True  # a backward left this gradient (False: nothing to compare it with)
+    group: int = 0  # its optimizer's parameter group (the audit's --max-norms)
 
 
 class Row(NamedTuple):
@@ -60,6 +61,7 @@ class Row(NamedTuple):
     max_norm: float | None  # the max_norm a clip function was called with this step
     clip_norm: float | None  # the total norm passed to clip_grads_with_norm_, or returned by a clip
     holds: str = ""  # what its gradients are: "6 DTensor (Shard(dim=0),) on mesh (4,)", "4 DDP"...
+    units: tuple = ()  # the audit's --agc: (unit, weight squares, gradient squares, factor) it counts
 
 
 NEVER_SCALED = "never-scaled"  # the gallery's usage bug: the norm right, no gradient scaled

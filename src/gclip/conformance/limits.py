@@ -228,7 +228,7 @@ class Piece(NamedTuple):
     unit: Any  # the unit it is a piece of (pieces of one unit share it)
     w_sq: float  # the piece's sum of squares of the weight
     g_sq: float  # ... and of the gradient
-    factor: float  # the factor applied to the piece
+    factor: float | None  # the factor applied to the piece (None: a zero piece, any factor fits)
 
 
 def judge_agc(
@@ -250,7 +250,7 @@ def judge_agc(
     split = [p.unit for p in pieces]
     shows = {AGC_SHARDS} if any(not _same(a, b, 1e-6) for a, b in zip(own, correct)) else set()
     fits = {
-        name: (all(_same(p.factor, w, rtol) for p, w in zip(pieces, want)), False)
+        name: (all(p.factor is None or _same(p.factor, w, rtol) for p, w in zip(pieces, want)), False)
         for name, want in (("global", correct), (AGC_SHARDS, own))
     }
     split_units = sum(1 for u in set(split) if split.count(u) > 1)
