@@ -127,3 +127,50 @@ def test_bad_groups_get_one_line(call, needle):
     with pytest.raises(gclip.GclipError) as err:
         call()
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_clipper_per_group_decides_from_its_groups_norm_as_it_would_alone():
+    """ZClip on one group, AutoClip on another, none on the third (Muon's): 40 steps with
+    spikes. Oracle: the same clippers stepped alone on their group (each checked against its
+    reference rule in tests/unit/test_limits.py), bit for bit, state included."""
+    rng = np.random.default_rng(3)
+    zclip, autoclip = gclip.ZClip(warmup_steps=5), gclip.AutoClip(25.0)
+    lone_z, lone_a = gclip.ZClip(warmup_steps=5), gclip.AutoClip(25.0)
+    clipped = 0
+    for step in range(40):
+        given = data(rng)
+        if step in (12, 30):
+            given[0] = [a * 40.0 for a in given[0]]  # a spike in the AdamW-like group
+        got = gclip.clip_groups(given, [zclip, None, autoclip], comm=MPI.COMM_SELF)
+        want_z = lone_z.step(given[0], comm=MPI.COMM_SELF)
+        want_a = lone_a.step(given[2], comm=MPI.COMM_SELF)
+        assert (got.norms[0], got.scales[0]) == (want_z.total_norm, want_z.scale)
+        assert (got.norms[2], got.scales[2]) == (want_a.total_norm, want_a.scale)
+        assert got.scales[1] == 1.0 and got.norms[1] == gclip.global_norm(given[1], comm=MPI.COMM_SELF)
+        for a, b in zip(got.grads[0] + got.grads[2], list(want_z.grads) + list(want_a.grads)):
+            assert a.tobytes() == b.tobytes()
+        clipped += want_z.clipped
+    assert clipped >= 2  # the spikes, at least: not a vacuous agreement
+    assert zclip.state_dict() == lone_z.state_dict() and autoclip.state_dict() == lone_a.state_dict()
+
+
+def test_ranks_passing_a_clipper_and_a_number_for_one_group_get_one_agreed_error():
+    """A clipper's limit is decided after the collective: the ranks agree in the header on
+    which groups have one (by name), so a rank passing 1.0 where another passes ZClip fails
+    on every rank instead of scaling the group differently."""
+    rng = np.random.default_rng(4)
+    programs = []
+    for r, limits in enumerate((["ZClip", None], [1.0, None])):
+        theirs = data(rng)[:2]
+        calls = [
+            engine.check(g, engine.NO_LIMIT if isinstance(m, str) or m is None else m, rank=r, size=2)
+            for g, m in zip(theirs, limits)
+        ]
+        programs.append(
+            groups.program(
+                calls, [m if isinstance(m, str) or m is None else c.limit for c, m in zip(calls, limits)]
+            )
+        )
+    with pytest.raises(gclip.GclipError) as err:
+        drivers.run_simulated(programs)
+    assert "max_norms" in str(err.value) and "\n" not in str(err.value)

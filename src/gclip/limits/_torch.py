@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import _dtensor, _torch_gradients, engine
 from ..errors import GclipError, GclipValueError
-from .groups import per_group, program
+from .groups import adaptive_name, per_group, program
 from .rules import ZClipRule, check_int, check_number
 from .units import LAYOUTS, unit_axes, unit_factor
 
@@ -56,7 +56,7 @@ def _gclip() -> Functions:
 @torch.no_grad()
 def clip_groups_(
     groups: Iterable[Any],
-    max_norms: Sequence[float | None],
+    max_norms: Sequence[Any],
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -68,7 +68,8 @@ def clip_groups_(
     """Clip each parameter group's gradients by its own limit and its own GLOBAL norm, in place.
 
     ``groups``: an optimizer's ``param_groups`` (dicts with "params") or a list of parameter
-    iterables; ``max_norms``: one limit per group, or None (not clipped, its norm reported).
+    iterables; ``max_norms``: one limit per group, None (not clipped, its norm reported), or a
+    ``ZClip`` / ``AutoClip`` (it decides its group's limit from the group's global norm).
     Every group's norm comes from the one header all-reduce (``gclip.groups``).
 
     Returns:
@@ -78,6 +79,7 @@ def clip_groups_(
     world = _gclip().world(comm)
     params = [list(g["params"]) if isinstance(g, dict) else list(g) for g in groups]
     limits, entries = list(max_norms), per_group(replicated, len(params))
+    agreed = [adaptive_name(m) or m for m in limits]  # a clipper: its limit decided after the norm
     if len(limits) != len(params) or len(entries) != len(params):
         raise GclipValueError(f"max_norms and replicated need one entry per group ({len(params)} groups)")
     backend = _torch_gradients.backend(True, foreach)
@@ -88,7 +90,7 @@ def clip_groups_(
     calls = [
         engine.check(
             group,
-            engine.NO_LIMIT if limit is None else limit,
+            engine.NO_LIMIT if limit is None or isinstance(limit, str) else limit,
             backend,
             rank=world.rank,
             size=world.size,
@@ -99,15 +101,25 @@ def clip_groups_(
             error_if_nonfinite=error_if_nonfinite,
             inplace=True,
         )
-        for i, (group, limit) in enumerate(zip(params, limits))
+        for i, (group, limit) in enumerate(zip(params, agreed))
     ]
     done = world.run(
-        program(calls, [c.limit if limit is not None else None for c, limit in zip(calls, limits)])
+        program(
+            calls,
+            [
+                limit if limit is None or isinstance(limit, str) else c.limit
+                for c, limit in zip(calls, agreed)
+            ],
+        )
     )
-    for c, (_, factor) in zip(calls, done):
-        c.grads.scaled(factor, True)
     device = next((c.arrays[0].device for c in calls if c.arrays), "cpu")
-    return torch.tensor([n for n, _ in done], dtype=torch.float64).to(device, non_blocking=True)
+    norms = torch.tensor([n for n, _ in done], dtype=torch.float64).to(device, non_blocking=True)
+    for g, (c, (_, factor)) in enumerate(zip(calls, done)):
+        if isinstance(agreed[g], str):  # the group's clipper, fed its global norm
+            _clip([p for p in params[g] if p.grad is not None], limits[g].decide(norms[g]), norms[g])
+        else:
+            c.grads.scaled(factor, True)
+    return norms
 
 
 class _TorchOps:
@@ -169,11 +181,16 @@ class ZClip:
     @torch.no_grad()
     def step(self, model_or_parameters: Any, **options: Any) -> torch.Tensor:
         params, norm = _norm_of(_parameters(model_or_parameters), options)
+        _clip(params, self.decide(norm), norm)
+        return norm
+
+    def decide(self, norm: torch.Tensor) -> Any:
+        """This step's limit for a global norm computed elsewhere (a float64 0-d tensor; inf:
+        none), the state advanced: what ``clip_groups_`` calls for a group it limits."""
         limit, _, seen = self.rule.limit(norm, _TorchOps)
         self.rule.update(seen, torch.isfinite(norm), _TorchOps)
-        _clip(params, limit, norm)
         self.last_limit = limit
-        return norm
+        return limit
 
     def state_dict(self) -> dict[str, Any]:
         state = self.rule.state()
@@ -208,12 +225,16 @@ class AutoClip:
     @torch.no_grad()
     def step(self, model_or_parameters: Any, **options: Any) -> torch.Tensor:
         params, norm = _norm_of(_parameters(model_or_parameters), options)
+        _clip(params, self.decide(norm), norm)
+        return norm
+
+    def decide(self, norm: torch.Tensor) -> torch.Tensor:
+        """This step's limit for a global norm computed elsewhere (a float64 0-d tensor; inf:
+        none), the history grown: what ``clip_groups_`` calls for a group it limits."""
         self._record(torch.where(torch.isfinite(norm), norm, torch.full_like(norm, math.nan)))
         live = self.history[: self.seen] if self.window is None else self._window()  # type: ignore[index]
         limit = torch.nanquantile(live, self.percentile / 100.0, interpolation="linear")
-        limit = torch.where(torch.isnan(limit), torch.full_like(limit, math.inf), limit)
-        _clip(params, limit, norm)
-        return norm
+        return torch.where(torch.isnan(limit), torch.full_like(limit, math.inf), limit)
 
     def _record(self, value: torch.Tensor) -> None:
         size = self.seen if self.window is None else min(self.seen, self.window)

@@ -9,7 +9,10 @@ rides the header as a vector of a fixed size (so that ranks passing different nu
 groups disagree in the header's fingerprint, not in the collective's length): G groups
 cost the one all-reduce that one group does. The inf-norm and the reproducible mode bring
 every group's second pass in one collective too; only the overflow rescue (rare) runs per
-group that needs it. A group whose limit is None is not clipped: its norm is reported.
+group that needs it. A group whose limit is None is not clipped: its norm is reported. A
+group's limit may be an adaptive clipper (ZClip, AutoClip: anything with ``decide(norm)``):
+its group's global norm, from the same collective, is what it decides the limit from, so a
+ZClip per group, or ZClip on AdamW's groups and none on Muon's, costs the one all-reduce.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ..engine import root
 from ..errors import GclipValueError
 from ..layout import Counting
 
-__all__ = ["MAX_GROUPS", "GroupsResult", "clip_groups", "per_group", "program"]
+__all__ = ["MAX_GROUPS", "GroupsResult", "adaptive_name", "clip_groups", "per_group", "program"]
 
 MAX_GROUPS = 64  # the header carries 2 slots per group, always all of them (see above)
 
@@ -38,7 +41,12 @@ class GroupsResult(NamedTuple):
     scales: list[float]  # each group's factor: min(1, limit / norm); 1 where None or not finite
 
 
-def _combined_spec(calls: Sequence[engine.Arguments], limits: Sequence[float | None]) -> engine.Spec:
+def adaptive_name(limit: Any) -> str | None:
+    """A clipper given as a group's limit: its class's name (what the ranks agree on), else None."""
+    return type(limit).__name__ if callable(getattr(limit, "decide", None)) else None
+
+
+def _combined_spec(calls: Sequence[engine.Arguments], limits: Sequence[float | str | None]) -> engine.Spec:
     first = calls[0].spec
     agreed = (("groups", len(calls)), ("max_norms", tuple(limits)), *first.extra[1:])
     return engine.Spec(first.norm_type, first.reproducible, agreed)
@@ -65,10 +73,11 @@ def _combined_counting(calls: Sequence[engine.Arguments]) -> Counting:
 
 
 def program(
-    calls: Sequence[engine.Arguments], limits: Sequence[float | None]
+    calls: Sequence[engine.Arguments], limits: Sequence[float | str | None]
 ) -> Generator[engine.Reduce | engine.Gather, Any, list[tuple[float, float]]]:
     """One rank's (norm, factor) per group, from each group's checked arguments
-    (``engine.check``, one call per group, all with the same settings but ``max_norm``)."""
+    (``engine.check``, one call per group, all with the same settings but ``max_norm``). A
+    limit that is a clipper's name gets factor 1 here: its clipper decides from the norm."""
     spec = _combined_spec(calls, limits)
     p, size = spec.norm_type, calls[0].size
     error = next((c.error for c in calls if c.error is not None), None)
@@ -120,7 +129,10 @@ def program(
         holders = yield engine.Gather(not finite)
         bad = next(n for n in norms if not math.isfinite(n))
         raise engine.nonfinite_error(p, bad, holders)
-    return [(n, 1.0 if limit is None else policy.scale(n, limit)) for n, limit in zip(norms, limits)]
+    return [
+        (n, policy.scale(n, limit) if isinstance(limit, (int, float)) else 1.0)
+        for n, limit in zip(norms, limits)
+    ]
 
 
 def per_group(replicated: Any, groups: int) -> list[Any]:
@@ -131,7 +143,7 @@ def per_group(replicated: Any, groups: int) -> list[Any]:
 
 def clip_groups(
     groups: Sequence[Any],
-    max_norms: Sequence[float | None],
+    max_norms: Sequence[Any],
     *,
     comm: Any = None,
     norm_type: float | str = 2.0,
@@ -144,7 +156,10 @@ def clip_groups(
 
     Args:
         groups: one entry per group: an array, or a list of this rank's arrays.
-        max_norms: one limit per group, finite and >= 0, or None (not clipped; norm reported).
+        max_norms: one limit per group, finite and >= 0, None (not clipped; norm reported), or
+            an adaptive clipper (``gclip.ZClip``, ``gclip.AutoClip``: it decides the group's
+            limit from the group's global norm, its state advanced; the limit it decided is
+            its ``decide``'s return, the factor in ``scales``).
         replicated: one ``replicated=`` entry per group (see ``clip_by_global_norm``), or one
             that is not a list or tuple (True, a communicator...) for every group.
         comm, norm_type, error_if_nonfinite, inplace, reproducible: as in ``clip_by_global_norm``.
@@ -156,12 +171,13 @@ def clip_groups(
     mpi = drivers.Mpi(drivers.communicator(comm))
     groups, limits = list(groups), list(max_norms)
     entries = per_group(replicated, len(groups))
+    agreed = [adaptive_name(m) or m for m in limits]
     if len(limits) != len(groups) or len(entries) != len(groups):
         raise GclipValueError(f"max_norms and replicated need one entry per group ({len(groups)} groups)")
     calls = [
         engine.check(
             g,
-            engine.NO_LIMIT if limit is None else limit,
+            engine.NO_LIMIT if limit is None or isinstance(limit, str) else limit,
             rank=mpi.rank,
             size=mpi.size,
             comm=mpi.comm,
@@ -171,12 +187,16 @@ def clip_groups(
             error_if_nonfinite=error_if_nonfinite,
             inplace=inplace,
         )
-        for i, (g, limit) in enumerate(zip(groups, limits))
+        for i, (g, limit) in enumerate(zip(groups, agreed))
     ]
-    checked = [c.limit if limit is not None else None for c, limit in zip(calls, limits)]
+    checked = [
+        limit if limit is None or isinstance(limit, str) else c.limit for c, limit in zip(calls, agreed)
+    ]
     done = mpi.run(program(calls, checked))
+    factors = [
+        policy.scale(n, limits[g].decide(n)) if isinstance(agreed[g], str) else f  # the group's clipper
+        for g, (n, f) in enumerate(done)
+    ]
     return GroupsResult(
-        [c.grads.scaled(factor, inplace) for c, (_, factor) in zip(calls, done)],
-        [n for n, _ in done],
-        [f for _, f in done],
+        [c.grads.scaled(factor, inplace) for c, factor in zip(calls, factors)], [n for n, _ in done], factors
     )
