@@ -125,8 +125,17 @@ class Spec:
 
     @functools.cached_property  # computed once per Spec: the settings are cached
     def fingerprint(self) -> tuple[float, float]:
-        crc = zlib.crc32(self.describe().encode())
-        return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
+        return _fold(zlib.crc32(self.describe().encode()))
+
+
+def _fold(crc: int) -> tuple[float, float]:
+    return float(crc & 0xFFFF) + 1.0, float(crc >> 16) + 1.0
+
+
+@functools.lru_cache(maxsize=16)
+def _settings_crc(p: float, reproducible: bool) -> int:
+    """The CRC of the settings a limit follows in ``Spec.describe``, continued by the limit's."""
+    return zlib.crc32(f"norm_type={p!r}, reproducible={reproducible!r}, max_norm=".encode())
 
 
 @dataclass(slots=True)
@@ -198,7 +207,10 @@ def _check_settings(
         raise GclipValueError(f"reproducible=True supports norm_type 1, 2 or inf, got {p!r}")
     agreed = (("max_norm", math.nan if limit is None else limit), ("error_if_nonfinite", error_if_nonfinite))
     spec = Spec(p, reproducible, agreed)
-    spec.fingerprint  # noqa: B018 - computed here, once per setting, not in the header
+    # Spec.fingerprint's value, the CRC of the settings before the limit cached: a limit that
+    # changes every step (an adaptive clip's) costs a short CRC, not the whole description
+    rest = f"{agreed[0][1]!r}, error_if_nonfinite={error_if_nonfinite!r}".encode()
+    spec.__dict__["fingerprint"] = _fold(zlib.crc32(rest, _settings_crc(p, reproducible)))
     return spec, limit
 
 
@@ -231,6 +243,8 @@ def _scalar(value: Any, name: str) -> float:
 
 def max_norm(value: Any, name: str = "max_norm") -> float:
     """A finite, non-negative real number, or a one-line error."""
+    if type(value) is float and 0.0 <= value < math.inf:  # the usual case, first (NaN fails it)
+        return value + 0.0
     limit = _scalar(value, name)
     if not math.isfinite(limit) or limit < 0:
         raise GclipValueError(f"{name} must be finite and >= 0, got {limit!r}")
@@ -244,6 +258,8 @@ def scale(value: Any) -> float:
 
 def norm_type(value: Any) -> float:
     """p > 0, or inf (also written 'inf')."""
+    if type(value) is float and value > 0.0:  # the usual case, first (NaN fails it)
+        return value
     if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
         return math.inf
     if not _real(value):

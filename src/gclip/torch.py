@@ -169,7 +169,7 @@ def _world(comm: Any) -> _Mpi | _TorchGroup | _Lone:
                     "under torch.compile, gclip.torch clips over torch.distributed, not MPI"
                 )
             return _LONE
-        return _Mpi(_mpi_world())
+        return _lone_or_mpi()
     if _is_process_group(comm):
         return _TorchGroup(comm)
     if _dtensor.is_mesh(comm):
@@ -195,6 +195,18 @@ def _default_group() -> _TorchGroup:
     if not _DEFAULT or _DEFAULT[0].process_group is not world:
         _DEFAULT[:] = [_TorchGroup(world)]
     return _DEFAULT[0]
+
+
+_MPI_WORLD: list[_Mpi] = []  # MPI.COMM_WORLD as checked on the first call
+
+
+def _lone_or_mpi() -> _Mpi:
+    """comm=None without torch.distributed: MPI's world, checked once per process (as MPI reads
+    its launcher's environment once, at MPI_Init): the check of a lone rank reads five
+    environment variables, a quarter of a one-tensor clip's cost were it read on every call."""
+    if not _MPI_WORLD:
+        _MPI_WORLD.append(_Mpi(_mpi_world()))
+    return _MPI_WORLD[0]
 
 
 @torch.compiler.assume_constant_result

@@ -240,3 +240,16 @@ def test_a_driver_runs_the_program_and_the_reader_scales_in_place():
 def test_replicated_must_be_a_list(bad):
     (done,), _ = lockstep([engine.program(engine.check([np.ones(2)], 1.0, rank=0, size=1, replicated=bad))])
     assert isinstance(done, GclipTypeError) and "replicated must be a list" in str(done)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 3.5])
+@pytest.mark.parametrize("reproducible", [False, True])
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_checked_settings_fingerprint_is_the_specs_own(p, reproducible, flag):
+    """check() fingerprints a new limit from a cached CRC of the settings before it: the value
+    must be the one Spec.fingerprint computes from the whole description (the ranks compare it)."""
+    if reproducible and p == 3.5:
+        pytest.skip("reproducible takes p = 1, 2 or inf")
+    for limit in (0.5, 1e-300, 0.0, 1, engine.NO_LIMIT, 123456.789, 5e307):
+        spec, _ = engine._check_settings(p, limit, reproducible, flag)
+        assert spec.fingerprint == engine.Spec(spec.norm_type, spec.reproducible, spec.extra).fingerprint
