@@ -140,6 +140,18 @@ def exited(job: subprocess.CompletedProcess, status: int) -> bool:
     return TEARDOWN_ABORT in job.stderr and -6 in codes and set(codes) <= {-6, -15, status}
 
 
+def assert_audited(steps: list[dict], bug: str | None) -> None:
+    """gclip.audit's JSON steps: some clipped (not a vacuous pass); every step passes where
+    ``bug`` is None, else ``bug`` is named on some step, failed there, and nothing else is."""
+    assert sum(s["clipped"] for s in steps) >= 2, steps
+    if bug is None:
+        assert all((s["grade"], s["fingerprint"]) == ("pass", None) for s in steps), steps
+        return
+    named = [s["step"] for s in steps if s["fingerprint"] == bug]
+    assert named and all(s["fingerprint"] in (None, bug) for s in steps), steps
+    assert all(s["grade"] == "fail" for s in steps if s["step"] in named), steps
+
+
 def teardown(dist: Any) -> None:
     """End the job's torch.distributed groups together: no rank closes its gloo pairs while a
     peer still works on them."""
