@@ -117,7 +117,11 @@ def _alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (ended, its parent not told yet) answers kill(0) but runs nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _rank_run(events: list[dict]) -> RankRun:
@@ -325,7 +329,13 @@ def _watch(job: _Job, spec: JobSpec, first: int, total: int) -> _Watched:
                 raise _not_loaded(spec, ranks, lag if first_loaded is not None else None)
         if case_start is not None and now - case_start > spec.timeout:
             job.poll()
-            run = _case_run(job, case, {}, spec.timeout)
+            # a rank whose process ended before mpirun ended the job (slow to, under load)
+            gone = {
+                i: "its process ended"
+                for i, r in enumerate(ranks)
+                if r.pid is not None and not _alive(r.pid) and "outcome" not in _kinds(r, case)
+            }
+            run = _case_run(job, case, gone, spec.timeout)
             job.end()
             runs.append(run)
             return _Watched(runs, run.lost, None, note)
