@@ -290,11 +290,11 @@ class Auditor:
             return  # no backward since this optimizer's parameters were audited: a wrapper's inner step
         self._stepping = True
         try:
-            self._audit(params, groups)
+            self._audit(params, groups, len(optimizer.param_groups))
         finally:
             self._stepping = False
 
-    def _audit(self, params: list[Any], groups: dict[int, int]) -> None:
+    def _audit(self, params: list[Any], groups: dict[int, int], group_count: int) -> None:
         pieces = []
         layout = self._layout(params)
         stage = self._stage(params)
@@ -323,7 +323,9 @@ class Auditor:
             pieces.append(piece)
             self._audited[id(p)] = self._backward
         holds = self._holds(params)
-        row = verdict.Row(_rank(), stage, pieces, self._seen_max_norm, self._seen_norm, holds, units)
+        row = verdict.Row(
+            _rank(), stage, pieces, self._seen_max_norm, self._seen_norm, holds, units, group_count
+        )
         rows = _gather(row)
         self._seen_max_norm = self._seen_norm = None
         if not any(p.seen for r in rows for p in r.pieces):  # the same on every rank

@@ -81,7 +81,7 @@ def _report(
 
 def grade_groups(step: int, rows: Sequence[Row], limits_given: Sequence[float | None]) -> StepReport:
     """The step's report for per-group limits: every group's scale against its own rule."""
-    found = 1 + max((p.group for row in rows for p in row.pieces), default=0)
+    found = max(row.groups for row in rows)  # a group may hold no gradient this step
     if found != len(limits_given):
         raise AuditError(
             f"--max-norms gives {len(limits_given)} limit{'s' * (len(limits_given) != 1)}, the "

@@ -62,6 +62,7 @@ class Row(NamedTuple):
     clip_norm: float | None  # the total norm passed to clip_grads_with_norm_, or returned by a clip
     holds: str = ""  # what its gradients are: "6 DTensor (Shard(dim=0),) on mesh (4,)", "4 DDP"...
     units: tuple = ()  # the audit's --agc: (unit, weight squares, gradient squares, factor) it counts
+    groups: int = 1  # its optimizer's parameter groups (the audit's --max-norms)
 
 
 NEVER_SCALED = "never-scaled"  # the gallery's usage bug: the norm right, no gradient scaled
