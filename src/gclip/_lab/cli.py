@@ -26,6 +26,7 @@ import math
 import os
 import select
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -136,6 +137,7 @@ def check_writable(flag: str, path: str) -> None:
 
 
 Fault = Callable[[str, BaseException], int]
+ABORT_GRACE = 0.2  # seconds between a fault's line and the abort
 
 
 def abort_job(prog: str, exc: BaseException) -> NoReturn:
@@ -147,6 +149,9 @@ def abort_job(prog: str, exc: BaseException) -> NoReturn:
     print(f"{prog}: rank {rank} of {size}: {message}; aborting the job", file=sys.stderr, flush=True)
     mpi = sys.modules.get("mpi4py.MPI")  # never imported here: the fault may be that it cannot be
     if size > 1 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        # the launcher forwards a rank's output on its own time and the abort tears that down:
+        # under load the line was lost (CI); a moment first lets it through
+        time.sleep(ABORT_GRACE)
         mpi.COMM_WORLD.Abort(code)  # ends every rank of the job, wherever it waits
     sys.exit(code)
 
