@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -22,6 +23,7 @@ from torch_jobs import ROOT, exited, job_env, run_job, torchrun_cmd
 pytestmark = pytest.mark.slow
 
 SCRIPTS = ROOT / "tests" / "audit_scripts"
+PATH = os.pathsep.join([str(ROOT / "src"), str(SCRIPTS)])  # this tree's gclip, not an installed one
 RANKS = 4
 EXTRA = "not installed: the frameworks extra brings it (pip install '.[frameworks]')"
 
@@ -130,7 +132,7 @@ def test_framework_row(row, tmp_path):
     report = tmp_path / "audit.jsonl"
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     cmd = torchrun_cmd(RANKS, "-m", "gclip.audit", "--json", str(report), str(SCRIPTS / script), *args)
-    job = run_job(cmd, env=job_env(PYTHONPATH=str(SCRIPTS)))
+    job = run_job(cmd, env=job_env(PYTHONPATH=PATH))
     text = job.stdout + job.stderr
     if kind == "error":
         assert job.returncode != 0
@@ -150,7 +152,7 @@ def test_update_row(row, tmp_path):
         pytest.skip(f"{module} {EXTRA}")
     report = tmp_path / "audit.jsonl"
     cmd = torchrun_cmd(RANKS, str(SCRIPTS / script), *args, "--json", str(report))
-    job = run_job(cmd, env=job_env(PYTHONPATH=str(SCRIPTS), DS_ACCELERATOR="cpu"))
+    job = run_job(cmd, env=job_env(PYTHONPATH=PATH, DS_ACCELERATOR="cpu"))
     steps = _check_steps(job, report, "pass", None, runs=len(stages))
     assert [s["zero_stage"] for s in steps] == [stage for stage in stages for _ in range(2)]
 
@@ -164,7 +166,7 @@ def test_the_hooks_say_they_cannot_see_inside_zero(tmp_path):
 
     report = tmp_path / "audit.jsonl"
     cmd = torchrun_cmd(RANKS, "-m", "gclip.audit", "--json", str(report), str(SCRIPTS / "fw_deepspeed.py"))
-    job = run_job([*cmd, "--stage", "1"], env=job_env(PYTHONPATH=str(SCRIPTS), DS_ACCELERATOR="cpu"))
+    job = run_job([*cmd, "--stage", "1"], env=job_env(PYTHONPATH=PATH, DS_ACCELERATOR="cpu"))
     text = job.stdout + job.stderr
     assert exited(job, 1), text[-3000:]
     assert text.count(UNSEEN) == 2, text[-3000:]  # each step, on rank 0

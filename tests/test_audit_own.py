@@ -10,6 +10,7 @@ one launch per layout, the bugs of a family one per step.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -20,6 +21,7 @@ from torch_jobs import ROOT, exited, job_env, run_job, torchrun_cmd
 pytestmark = pytest.mark.slow
 
 SCRIPTS = ROOT / "tests" / "audit_scripts"
+PATH = os.pathsep.join([str(ROOT / "src"), str(SCRIPTS)])  # this tree's gclip, not an installed one
 
 ENGINE = ["per-rank", "sum-of-norms", "mean-of-norms", "rank0-norm", "max-of-norms"]
 RUNS = {  # layout, max_norm, the modes step by step (step 0: gclip's own clip)
@@ -40,7 +42,7 @@ def test_gclips_clip_passes_and_each_bug_is_named(run, tmp_path):
     cmd = torchrun_cmd(4, "-m", "gclip.audit", "--max-norm", str(limit), "--json", str(report), "--quiet")
     cmd += [str(SCRIPTS / "own_clip.py"), "--layout", layout, "--modes", ",".join(modes)]
     cmd += ["--max-norm", str(limit)]
-    job = run_job(cmd, env=job_env(PYTHONPATH=str(SCRIPTS)))
+    job = run_job(cmd, env=job_env(PYTHONPATH=PATH))
     steps = [json.loads(line) for line in report.read_text().splitlines()]
     assert exited(job, 1 if len(modes) > 1 else 0), job.stdout + job.stderr[-3000:]
     assert [s["step"] for s in steps] == list(range(len(modes)))
