@@ -19,8 +19,7 @@ import math
 from collections.abc import Sequence
 
 from ..conformance import limits
-from .capture import RTOL
-from .verdict import Row, StepReport, _rank_scales
+from .verdict import Row, StepReport, _rank_scales, _same, tolerance
 
 __all__ = ["AuditError", "grade_agc", "grade_groups", "max_norms"]
 
@@ -44,17 +43,18 @@ def max_norms(text: str) -> list[float | None]:
     return out
 
 
-def _tol(rows: Sequence[Row]) -> float:
-    dtypes = {p.dtype for row in rows for p in row.pieces}
-    return max((RTOL.get(d, 1e-2) for d in dtypes), default=1e-9)
-
-
 def _report(
-    step: int, rows: Sequence[Row], verdict: limits.LimitVerdict, norm: float, source: str, lines: list[str]
+    step: int,
+    rows: Sequence[Row],
+    verdict: limits.LimitVerdict,
+    norm: float,
+    source: tuple[str, str],
+    lines: list[str],
 ) -> StepReport:
-    scales, _ = _rank_scales(rows, _tol(rows))
+    """``source``: (the limit in words, the option it came from)."""
+    scales, _ = _rank_scales(rows, tolerance(rows))
     size = len(rows)
-    head = f"gclip.audit: step {step} on {size} rank{'s' * (size != 1)} ({source})"
+    head = f"gclip.audit: step {step} on {size} rank{'s' * (size != 1)} ({source[0]}; {source[1]})"
     if verdict.fingerprint is not None or not verdict.clipped:
         words = str(verdict) if verdict.fingerprint is not None else "verdict: not clipped"
     else:
@@ -66,7 +66,7 @@ def _report(
         (),
         norm,
         None,
-        source.split(";")[-1].strip(),
+        source[1],
         None,
         scales,
         None,
@@ -87,7 +87,7 @@ def grade_groups(step: int, rows: Sequence[Row], limits_given: Sequence[float | 
             f"--max-norms gives {len(limits_given)} limit{'s' * (len(limits_given) != 1)}, the "
             f"optimizer has {found} parameter group{'s' * (found != 1)}"
         )
-    tol = _tol(rows)
+    tol = tolerance(rows)
     sumsq, scales = [], []
     for g in range(found):
         pieces = [(p, row.rank) for row in rows for p in row.pieces if p.group == g]
@@ -95,7 +95,7 @@ def grade_groups(step: int, rows: Sequence[Row], limits_given: Sequence[float | 
         got = [p for p, _ in pieces if p.scale is not None]
         heavy = max(got, key=lambda p: p.sumsq, default=None)
         scale = 1.0 if heavy is None else heavy.scale
-        if any(not p.uniform or not _close(p.scale, scale, max(10 * tol, 1e-6)) for p in got):
+        if any(not p.uniform or not _same(p.scale, scale, max(10 * tol, 1e-6)) for p in got):
             scale = math.nan  # the group's gradients got different factors: no group rule does that
         scales.append(scale)
     verdict = limits.judge_groups(sumsq, limits_given, scales, rtol=tol)
@@ -103,25 +103,25 @@ def grade_groups(step: int, rows: Sequence[Row], limits_given: Sequence[float | 
     for g, (s, m, a) in enumerate(zip(sumsq, limits_given, verdict.details["attenuation"])):
         rule = "none: left alone" if m is None else f"{m:g}"
         line = f"  group {g}: norm {math.sqrt(s):.6g}, limit {rule}, scale applied {scales[g]:.6g}"
-        if not _close(a, 1.0, max(10 * tol, 1e-6)):
+        if not _same(a, 1.0, max(10 * tol, 1e-6)):
             line += (
                 f" ({a:.3g}x smaller than its rule's)" if a > 1 else f" (its rule's is {1 / a:.3g}x smaller)"
             )
         lines.append(line)
     named = ", ".join("none" if m is None else f"{m:g}" for m in limits_given)
     return _report(
-        step, rows, verdict, math.sqrt(math.fsum(sumsq)), f"per-group limits {named}; --max-norms", lines
+        step, rows, verdict, math.sqrt(math.fsum(sumsq)), (f"per-group limits {named}", "--max-norms"), lines
     )
 
 
 def grade_agc(step: int, rows: Sequence[Row], clipping: float, eps: float) -> StepReport:
     """The step's report for AGC: every unit piece's factor against the unit-wise rule."""
     pieces = [limits.Piece(tuple(unit), w_sq, g_sq, f) for row in rows for unit, w_sq, g_sq, f in row.units]
-    source = f"AGC clipping {clipping:g}, eps {eps:g}; --agc"
+    source = (f"AGC clipping {clipping:g}, eps {eps:g}", "--agc")
     if not pieces:
         verdict = limits.LimitVerdict("pass", None, ["global"], [], {"units_split": 0, "pieces": 0})
         return _report(step, rows, verdict, 0.0, source, ["  no unit holds a gradient"])
-    verdict = limits.judge_agc(pieces, clipping, eps, rtol=_tol(rows))
+    verdict = limits.judge_agc(pieces, clipping, eps, rtol=tolerance(rows))
     units = len({p.unit for p in pieces})
     lines = [
         f"  {units} units in {len(pieces)} pieces ({verdict.details['units_split']} units split over "
@@ -129,9 +129,3 @@ def grade_agc(step: int, rows: Sequence[Row], clipping: float, eps: float) -> St
     ]
     norm = math.sqrt(math.fsum(p.g_sq for p in pieces))
     return _report(step, rows, verdict, norm, source, lines)
-
-
-def _close(a: float | None, b: float | None, rtol: float) -> bool:
-    if a is None or b is None:
-        return True
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300)

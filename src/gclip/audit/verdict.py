@@ -173,6 +173,11 @@ def candidate_norms(rows: Sequence[Row]) -> dict[str, list[float]]:
     return out
 
 
+def tolerance(rows: Sequence[Row]) -> float:
+    """How closely a scale is read: the rounding of the coarsest dtype among the gradients."""
+    return max((RTOL.get(p.dtype, 1e-2) for row in rows for p in row.pieces), default=1e-9)
+
+
 def _scale(norm: float, max_norm: float, eps: float = 0.0) -> float:
     if not math.isfinite(norm):
         return 1.0
@@ -220,8 +225,7 @@ def grade_step(
     None (then the clip call's, else inferred from the scales). ``more``: candidates of the
     caller's (an adaptive clipper's bugs), per rank the norm that gives their scale at
     ``max_norm``, tried right after the correct clip; ``source``: where ``max_norm`` came from."""
-    dtypes = {p.dtype for row in rows for p in row.pieces}
-    tol = max((RTOL.get(d, 1e-2) for d in dtypes), default=1e-9)
+    tol = tolerance(rows)
     loose = max(tol, implied.NEAR_FLOAT32)
     norms = candidate_norms(rows)
     if more:
