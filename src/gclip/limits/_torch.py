@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import _dtensor, _torch_gradients, engine
 from ..errors import GclipError, GclipValueError
-from .groups import adaptive_name, per_group, program
+from .groups import adaptive_name, engine_limit, per_group, program, program_limits
 from .rules import ZClipRule, check_int, check_number
 from .units import LAYOUTS, unit_axes, unit_factor
 
@@ -90,7 +90,7 @@ def clip_groups_(
     calls = [
         engine.check(
             group,
-            engine.NO_LIMIT if limit is None or isinstance(limit, str) else limit,
+            engine_limit(limit),
             backend,
             rank=world.rank,
             size=world.size,
@@ -103,15 +103,7 @@ def clip_groups_(
         )
         for i, (group, limit) in enumerate(zip(params, agreed))
     ]
-    done = world.run(
-        program(
-            calls,
-            [
-                limit if limit is None or isinstance(limit, str) else c.limit
-                for c, limit in zip(calls, agreed)
-            ],
-        )
-    )
+    done = world.run(program(calls, program_limits(calls, agreed)))
     device = next((c.arrays[0].device for c in calls if c.arrays), "cpu")
     norms = torch.tensor([n for n, _ in done], dtype=torch.float64).to(device, non_blocking=True)
     for g, (c, (_, factor)) in enumerate(zip(calls, done)):

@@ -28,7 +28,16 @@ from ..engine import root
 from ..errors import GclipValueError
 from ..layout import Counting
 
-__all__ = ["MAX_GROUPS", "GroupsResult", "adaptive_name", "clip_groups", "per_group", "program"]
+__all__ = [
+    "MAX_GROUPS",
+    "GroupsResult",
+    "adaptive_name",
+    "clip_groups",
+    "engine_limit",
+    "per_group",
+    "program",
+    "program_limits",
+]
 
 MAX_GROUPS = 64  # the header carries 2 slots per group, always all of them (see above)
 
@@ -44,6 +53,16 @@ class GroupsResult(NamedTuple):
 def adaptive_name(limit: Any) -> str | None:
     """A clipper given as a group's limit: its class's name (what the ranks agree on), else None."""
     return type(limit).__name__ if callable(getattr(limit, "decide", None)) else None
+
+
+def engine_limit(agreed: float | str | None) -> Any:
+    """The max_norm a group's call checks: none for a norm alone or a clipper's (decided later)."""
+    return engine.NO_LIMIT if agreed is None or isinstance(agreed, str) else agreed
+
+
+def program_limits(calls: Sequence[engine.Arguments], agreed: Sequence[Any]) -> list[float | str | None]:
+    """What :func:`program` takes: each group's checked limit, None, or its clipper's name."""
+    return [m if m is None or isinstance(m, str) else c.limit for c, m in zip(calls, agreed)]
 
 
 def _combined_spec(calls: Sequence[engine.Arguments], limits: Sequence[float | str | None]) -> engine.Spec:
@@ -177,7 +196,7 @@ def clip_groups(
     calls = [
         engine.check(
             g,
-            engine.NO_LIMIT if limit is None or isinstance(limit, str) else limit,
+            engine_limit(limit),
             rank=mpi.rank,
             size=mpi.size,
             comm=mpi.comm,
@@ -189,10 +208,7 @@ def clip_groups(
         )
         for i, (g, limit) in enumerate(zip(groups, agreed))
     ]
-    checked = [
-        limit if limit is None or isinstance(limit, str) else c.limit for c, limit in zip(calls, agreed)
-    ]
-    done = mpi.run(program(calls, checked))
+    done = mpi.run(program(calls, program_limits(calls, agreed)))
     factors = [
         policy.scale(n, limits[g].decide(n)) if isinstance(agreed[g], str) else f  # the group's clipper
         for g, (n, f) in enumerate(done)
