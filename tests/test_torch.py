@@ -24,7 +24,7 @@ import torch_oracle  # noqa: E402
 from binned_digits import kept_bins  # noqa: E402
 from conftest import OneRankComm  # noqa: E402
 from gclip import _kernels, partials  # noqa: E402
-from gclip import _torch_partials as tp  # noqa: E402
+from gclip.torch import _partials as tp  # noqa: E402
 from torch_oracle import DTYPES, float64, fsum_norm, scaled_once  # noqa: E402
 
 ONE = OneRankComm()
@@ -487,17 +487,18 @@ def test_cuda_path():
 
 def test_bfloat16_on_the_cpu_is_squared_from_its_bits_as_exactly_as_on_any_device(monkeypatch):
     """The compiled pass over bfloat16's bits and the torch path both give the fsum of exact squares."""
-    from gclip import _kernels, _torch_partials
+    from gclip import _kernels
+    from gclip.torch import _partials
 
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(70_000, generator=gen) * 3).to(torch.bfloat16)
     x[7] = -7.5
     exact = math.fsum(float(v) ** 2 for v in x.to(torch.float64).tolist())
-    compiled = _torch_partials.power_sum([x], 2.0)[0]
+    compiled = _partials.power_sum([x], 2.0)[0]
     monkeypatch.setenv("GCLIP_KERNELS", "0")
     _kernels.get.cache_clear()
     try:
-        plain = _torch_partials.power_sum([x], 2.0)[0]
+        plain = _partials.power_sum([x], 2.0)[0]
     finally:
         monkeypatch.delenv("GCLIP_KERNELS")
         _kernels.get.cache_clear()

@@ -1,4 +1,4 @@
-"""gclip.torch's sync-free path (``gclip._torch_device``): the same norm and scale as the host
+"""gclip.torch's sync-free path (``gclip.torch._device``): the same norm and scale as the host
 path, one compiled graph, no host read, work that grows with groups and not with tensors.
 
 Oracles: math.fsum over the float64 values (tests/torch_oracle.py), the host path's scaled
@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-import gclip._torch_device as device_path  # noqa: E402
 import gclip.torch as gt  # noqa: E402
+import gclip.torch._device as device_path  # noqa: E402
 from gclip import engine  # noqa: E402
 from gclip.errors import GclipValueError  # noqa: E402
 from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd  # noqa: E402

@@ -97,9 +97,9 @@ def test_folded_matches_with_bfloat16_parameters():
 
 @pytest.mark.parametrize("amp", [False, True], ids=["plain", "GradScaler"])
 def test_an_optimizer_without_a_fused_step_is_clipped_in_place_and_told_once(amp):
-    from gclip import torch_fused
+    from gclip.torch import _fused
 
-    torch_fused._warned.discard(torch.optim.AdamW)
+    _fused._warned.discard(torch.optim.AdamW)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         fallback, skipped, scale = train("fallback", "AdamW", amp=amp, inf_at=7 if amp else None)

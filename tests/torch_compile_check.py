@@ -4,7 +4,7 @@
 
 On 2 ranks (gloo), a model under FSDP2 runs one backward; its gradients are kept. The clip
 ``gclip.torch.clip_grad_norm_(model.parameters(), limit)`` then runs on copies of them:
-eagerly on the device path (``_torch_device.FORCE``), compiled with ``aot_eager`` and with
+eagerly on the device path (``gclip.torch._device.FORCE``), compiled with ``aot_eager`` and with
 inductor (``fullgraph=True``), and counted by ``torch._dynamo.explain``. Each rank writes
 OUTDIR/rank<R>.json: the norms, whether each compiled run's gradients equal the eager run's
 bit for bit, the graph and break counts, and the fsum oracle over ``full_tensor()``.
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-import gclip._torch_device as device_path
 import gclip.torch as gt
+import gclip.torch._device as device_path
 from torch_jobs import watchdog
 from torch_layouts_check import Net, batch, full, gathered_norm, loss_of
 

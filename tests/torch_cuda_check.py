@@ -13,7 +13,7 @@ What it checks, on CUDA tensors of every dtype:
 4. a bfloat16 gradient is never copied whole: the peak extra device memory
    stays within a few working chunks;
 5. a one-rank NCCL process group (the header on the current CUDA device);
-6. the sync-free path (``gclip._torch_device``) under
+6. the sync-free path (``gclip.torch._device``) under
    ``torch.cuda.set_sync_debug_mode("error")``: two calls, no sync (the second
    reads the first one's verdict from pinned memory), and compiled with
    ``fullgraph=True``, equal to eager.
@@ -79,7 +79,7 @@ def main() -> int:
         return 0
     import gclip
     import gclip.torch as gt
-    from gclip import _torch_partials as tp
+    from gclip.torch import _partials as tp
 
     one = OneRank()
     cuda = torch.device("cuda", torch.cuda.current_device())

@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import gclip._torch_device as device_path
 import gclip.torch as gt
+import gclip.torch._device as device_path
 
 
 class NoHostRead(TorchDispatchMode):

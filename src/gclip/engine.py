@@ -94,7 +94,7 @@ NO_LIMIT: Any = object()  # a norm alone: no max_norm to check, nothing to scale
 
 
 class Grads(Protocol):
-    """The arrays as read (numpy: ``reader.Grads``; torch: ``_torch_gradients.Gradients``):
+    """The arrays as read (numpy: ``reader.Grads``; torch: ``gclip.torch._gradients.Gradients``):
     they scale themselves in the layout they were given."""
 
     def scaled(self, factor: float, inplace: bool) -> Any: ...
@@ -105,7 +105,7 @@ class Backend(NamedTuple):
 
     # (grads, replicated, inplace) -> (the arrays as read, the distinct arrays, their entries or None)
     read: Callable[[Any, Any, bool], tuple[Grads, Sequence[Any], Sequence[Any] | None]]
-    partials: Any  # the local sums where the arrays live (``partials``, ``_torch_partials``)
+    partials: Any  # the local sums where the arrays live (``partials``, ``gclip.torch._partials``)
 
 
 NUMPY = Backend(reader.read, partials)  # numpy arrays (``gclip.clip``)

@@ -1,6 +1,6 @@
 """The sums of numpy arrays: what one rank computes from its own arrays, and the factor applied.
 
-The engine's backend for numpy (``gclip._torch_partials`` has the same functions for
+The engine's backend for numpy (``gclip.torch._partials`` has the same functions for
 torch), with the compiled kernels of ``_kernels`` where the arrays are many or large.
 No MPI here: real and simulated ranks run the same code. :func:`power_sum` reads once
 (:func:`max_abs` and :func:`scaled_power_sum` are its rescue), :func:`multiply_by` applies

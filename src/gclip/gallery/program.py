@@ -208,7 +208,7 @@ def _half_power_sum_of_tensors(arrays: Sequence[Any], p: float) -> float:
     """:func:`half_power_sum` on torch tensors, chunk by chunk on their devices."""
     import torch  # a tensor was given: torch is imported already
 
-    from .. import _torch_partials as on_device
+    from ..torch import _partials as on_device
 
     sums = []
     for t in arrays:

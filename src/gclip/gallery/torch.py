@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from .. import _dtensor, _torch_gradients, engine
+from .. import engine
 from .. import torch as gclip_torch
+from ..torch import _dtensor, _gradients
 from .program import program
 
 __all__ = ["clip_grad_norm_"]
@@ -40,7 +41,7 @@ def clip_grad_norm_(
     args = engine.check(
         parameters,
         max_norm,
-        _torch_gradients.backend(True, foreach),
+        _gradients.backend(True, foreach),
         rank=world.rank,
         size=world.size,
         replicated=replicated,

@@ -2,7 +2,7 @@
 
 The torch counterpart of ``gclip.replicas.check_replicas`` (mpi4py only): over a
 torch.distributed group or a DeviceMesh, DTensor-aware. Who holds copies of
-what is read as the clip reads it (``gclip._dtensor``): a DTensor's placements
+what is read as the clip reads it (``gclip.torch._dtensor``): a DTensor's placements
 (Replicate dimensions, and root-mesh dimensions of copies), ``replicated=`` for
 plain tensors. ``check_replicas``: each rank hashes its local tensors (crc32
 of their bytes); one all_gather_object compares them. ``explain``: one row per
@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, engine
-from .errors import GclipTypeError, GclipValueError
-from .replicas import Row, _Record, _rows, diverged
+from .. import engine
+from ..errors import GclipTypeError, GclipValueError
+from ..replicas import Row, _Record, _rows, diverged
+from . import _dtensor
 
 __all__ = ["check_replicas", "explain"]
 
@@ -33,7 +34,7 @@ def _gathered(world: Any, collect: Any, names: Any, p: float) -> list[list[_Reco
     """Every rank's records (name, shape, dtype, holders, slot, power, crc), errors agreed.
 
     ``world`` is gclip.torch's communicator, ``collect()`` its reading of the tensors."""
-    from . import _torch_partials
+    from . import _partials
 
     if not hasattr(world, "process_group"):  # the same on every rank: no collective yet
         raise GclipTypeError("gclip.torch's explain and check_replicas take a torch group or DeviceMesh")
@@ -49,9 +50,9 @@ def _gathered(world: Any, collect: Any, names: Any, p: float) -> list[list[_Reco
         for t, members, label in zip(got.tensors, holders, labels):
             slot = places[members] = places.get(members, -1) + 1
             if p == float("inf"):
-                power = norm = _torch_partials.max_abs([t])[0]
+                power = norm = _partials.max_abs([t])[0]
             else:  # the engine's own local step: right where the plain sum over- or underflows
-                power, _, norm = engine.local_norm([t], p, _torch_partials)
+                power, _, norm = engine.local_norm([t], p, _partials)
             records.append(
                 _Record(str(label), tuple(t.shape), str(t.dtype), members, slot, power, norm, _crc(t))
             )

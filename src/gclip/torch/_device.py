@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import engine, layout
-from .errors import GclipValueError
+from .. import engine, layout
+from ..errors import GclipValueError
 
 __all__ = ["FORCE", "check", "clip", "eligible"]
 
@@ -151,7 +151,7 @@ def _fingerprint(spec: Any) -> tuple[float, float]:
     return _crc_halves(spec.describe())  # type: ignore[no-any-return]
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+@torch.compiler.assume_constant_result
 def _crc_halves(description: str) -> tuple[float, float]:
     """``engine.Spec.fingerprint`` from its description, computed once at trace time (zlib
     cannot be traced); tests/test_torch_device.py checks the two agree."""
@@ -169,7 +169,7 @@ class _Spec(NamedTuple):
         return self.text
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+@torch.compiler.assume_constant_result
 def _settings(norm_type: Any, max_norm: Any) -> tuple[bool, float, float, str]:
     """(refused?, p, limit (NaN: none), the description): ``engine.check``'s settings, checked
     once at trace time (its cached Spec cannot be traced: a lock guards its fingerprint)."""

@@ -1,10 +1,10 @@
 """The gradients that ``gclip.torch`` clips, read for the engine (``engine.check``).
 
 A parameter's ``.grad`` (None skipped, as torch does) or a tensor itself; a
-DTensor as its local tensor and the entry its placements imply (``gclip._dtensor``).
+DTensor as its local tensor and the entry its placements imply (``gclip.torch._dtensor``).
 The same gradient given twice counts and is scaled once; two that overlap in memory
 in part are an error. :func:`backend`'s reader gives back :class:`Gradients`, which
-scale themselves in place (``_torch_partials.multiply_by``): the torch backend, whole.
+scale themselves in place (``_partials.multiply_by``): the torch backend, whole.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _dtensor, _kernels, _torch_partials, engine, reader
-from .errors import GclipTypeError, GclipValueError
+from .. import _kernels, engine, reader
+from ..errors import GclipTypeError, GclipValueError
+from . import _dtensor, _partials
 
 __all__ = ["FLOAT_DTYPES", "Gradients", "backend", "gradients"]
 
@@ -68,7 +69,7 @@ class Gradients(NamedTuple):
 
     def scaled(self, factor: float, inplace: bool) -> None:
         """Each gradient multiplied in place by ``factor`` (torch's clip is always in place)."""
-        _torch_partials.multiply_by(self.scaled_tensors, factor, self.foreach)
+        _partials.multiply_by(self.scaled_tensors, factor, self.foreach)
 
     @property
     def scaled_tensors(self) -> list[torch.Tensor]:
@@ -103,14 +104,14 @@ def _read(
 def backend(of_parameters: bool, foreach: bool | None) -> engine.Backend:
     """Tensors as the engine reads them (parameters' .grad, or the tensors themselves)."""
     read = functools.partial(_read, of_parameters=of_parameters, foreach=foreach)
-    return engine.Backend(read, _torch_partials)
+    return engine.Backend(read, _partials)
 
 
 def probed_backend(foreach: bool | None, probe: torch.Tensor) -> engine.Backend:
     """:func:`backend` for parameters, with ``probe`` counted as one more tensor of this rank's
     own (a GradScaler's found_inf as inf or 0: see ``gclip.torch``)."""
     read = functools.partial(_read, of_parameters=True, foreach=foreach, probe=probe)
-    return engine.Backend(read, _torch_partials)
+    return engine.Backend(read, _partials)
 
 
 def gradients(
@@ -180,7 +181,7 @@ def gradients(
         picked.append(("the GradScaler's found_inf", probe, False))
     table = _plain_table(picked)
     kept = picked if table is not None else _distinct(picked)
-    tensors = _torch_partials.Tensors(g for _, g, _ in kept)
+    tensors = _partials.Tensors(g for _, g, _ in kept)
     tensors.table = table if table is not None and table.compiled else None  # (0: not all of a kind)
     counted = (
         partial.reduce(tensors) if reduce else tensors
@@ -276,7 +277,7 @@ def _distinct(picked: list[tuple[str, torch.Tensor, Any]]) -> list[tuple[str, to
 def _plain_table(picked: list[tuple[str, torch.Tensor, Any]]) -> Any:
     """Where the gradients are plainly distinct (plain CPU tensors, each contiguous, no two the
     same object, no two byte ranges meeting: one sort for the whole list), their table for the
-    compiled kernels (``_torch_partials.Tensors``), read from each tensor once; an empty Table
+    compiled kernels (``_partials.Tensors``), read from each tensor once; an empty Table
     where they are distinct but not all contiguous float32 or float64 (or one requires grad:
     its numpy view is refused, as before). None: the item-by-item reading (``_distinct``) says
     which gradients repeat and which overlap."""
@@ -288,7 +289,7 @@ def _plain_table(picked: list[tuple[str, torch.Tensor, Any]]) -> Any:
             return None
         ptr.append(g.data_ptr())
         size.append(g.numel())
-        kind.append(0 if g.requires_grad else _torch_partials.TABLE_KINDS.get(g.dtype, 0))
+        kind.append(0 if g.requires_grad else _partials.TABLE_KINDS.get(g.dtype, 0))
         nbytes.append(g.element_size())
     lo, n = np.array(ptr, np.int64), np.array(size, np.int64)
     if len(picked) > 1:

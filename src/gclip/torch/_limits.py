@@ -21,11 +21,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import _dtensor, _torch_gradients, engine
+from .. import engine
 from ..errors import GclipError, GclipValueError
-from .groups import adaptive_name, engine_limit, per_group, program, program_limits
-from .rules import ZClipRule, check_int, check_number
-from .units import LAYOUTS, unit_axes, unit_factor
+from ..limits.groups import adaptive_name, engine_limit, per_group, program, program_limits
+from ..limits.rules import ZClipRule, check_int, check_number
+from ..limits.units import LAYOUTS, unit_axes, unit_factor
+from . import _dtensor, _gradients
 
 __all__ = ["AGC", "AutoClip", "Functions", "ZClip", "clip_groups_", "use"]
 
@@ -82,9 +83,9 @@ def clip_groups_(
     agreed = [adaptive_name(m) or m for m in limits]  # a clipper: its limit decided after the norm
     if len(limits) != len(params) or len(entries) != len(params):
         raise GclipValueError(f"max_norms and replicated need one entry per group ({len(params)} groups)")
-    backend = _torch_gradients.backend(True, foreach)
+    backend = _gradients.backend(True, foreach)
 
-    def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+    def counting(given: _gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
         return _dtensor.counting(world, tensors, entries, given.wheres)
 
     calls = [

@@ -37,8 +37,8 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from . import engine, layout
-from .errors import GclipTypeError, GclipValueError
+from .. import engine, layout
+from ..errors import GclipTypeError, GclipValueError
 
 __all__ = ["Placed", "counting", "is_dtensor", "is_mesh", "local", "mesh_group", "undeclared_error"]
 

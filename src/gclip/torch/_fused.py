@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .clip import clip_scale
+from ..clip import clip_scale
 
 __all__ = ["make_clip_step"]
 

@@ -17,12 +17,12 @@ rank, and any rank's bad input raised as the same error on every rank.
   group when it is initialised, else MPI's COMM_WORLD (refused when MPI sees one
   rank but the process was launched as one of several).
 - DTensor gradients (FSDP2, HSDP, tensor parallel, pipeline stages) are read
-  from their placements (``gclip._dtensor``): no declaration. Plain tensors on
+  from their placements (``gclip.torch._dtensor``): no declaration. Plain tensors on
   more than one rank need ``replicated=`` (no silent default).
-- Partials are computed where each tensor lives (``gclip._torch_partials``):
+- Partials are computed where each tensor lives (``gclip.torch._partials``):
   float64 accumulation in bounded chunks, one sync per device; only the
   header's few numbers cross to the host; the scale is applied on the device,
-  each gradient in its own dtype (``_torch_partials.multiply_by``).
+  each gradient in its own dtype (``_partials.multiply_by``).
 - The norm comes back as a float64 0-d tensor on the first gradient's device:
   its value is the float64 global norm (torch returns the gradients' dtype).
 
@@ -43,19 +43,10 @@ try:
 except ImportError:  # pragma: no cover - torch is an optional extra
     raise ImportError("gclip.torch needs PyTorch: pip install 'gclip[torch]'") from None
 
-from . import (
-    _dtensor,
-    _torch_device,
-    _torch_gradients,
-    _torch_partials,
-    _torch_replicas,
-    clip,
-    drivers,
-    engine,
-    layout,
-)
-from ._torch_gradients import FLOAT_DTYPES
-from .errors import GclipTypeError, GclipValueError
+from .. import clip, drivers, engine, layout
+from ..errors import GclipTypeError, GclipValueError
+from . import _device, _dtensor, _gradients, _partials, _replicas
+from ._gradients import FLOAT_DTYPES
 
 __all__ = [
     "AGC",
@@ -236,24 +227,24 @@ def _run(
     """One call of the engine (``gclip.engine``), run over ``comm``, the gradients scaled in place
     unless ``max_norm`` is ``engine.NO_LIMIT``: the global norm as torch returns it, a 0-d tensor
     on the first gradient's device (in float64). Tensors on an accelerator (and calls under
-    torch.compile) take the sync-free path (``_torch_device``)."""
+    torch.compile) take the sync-free path (``_device``)."""
     world = _world(comm)
     if isinstance(items, Iterable) and not isinstance(items, (torch.Tensor, list, tuple, str, bytes)):
         items = list(items)  # a generator: read once, here (anything else: the checks say what it is)
-    _torch_device.check()  # a failure the device path has not raised yet: raised here
+    _device.check()  # a failure the device path has not raised yet: raised here
 
-    def counting(given: _torch_gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
+    def counting(given: _gradients.Gradients, entries: Any, tensors: Sequence[Any]) -> engine.Counting:
         return _dtensor.counting(world, tensors, entries, given.wheres)  # placements, declarations, groups
 
     listed = items if isinstance(items, (list, tuple)) else [items]
-    if _torch_device.eligible(
+    if _device.eligible(
         world,
         listed,
         settings.get("norm_type", 2.0),
         bool(settings.get("reproducible", False)),
         bool(settings.get("error_if_nonfinite", False)),
     ):
-        return _torch_device.clip(
+        return _device.clip(
             world,
             items,
             max_norm,
@@ -288,8 +279,8 @@ def _run(
 
 def check() -> None:
     """Raise, on every rank together, a failure of the sync-free path not raised yet (on an
-    accelerator it is raised at the latest by the next call). See ``gclip._torch_device``."""
-    _torch_device.check()
+    accelerator it is raised at the latest by the next call). See ``gclip.torch._device``."""
+    _device.check()
 
 
 @torch.no_grad()
@@ -318,13 +309,13 @@ def get_total_norm(
             entry per tensor or one for all: False (a shard), True (the same on
             every rank of comm), the communicator / ProcessGroup of the ranks that
             hold identical copies, or mesh dimension names (a copy counts once; see
-            ``gclip._dtensor``). Required for plain tensors on more than one rank.
+            ``gclip.torch._dtensor``). Required for plain tensors on more than one rank.
         reproducible: the same bits for any rank count and layout (p in 1, 2, inf).
     """
     return _run(
         tensors,
         engine.NO_LIMIT,
-        _torch_gradients.backend(False, None),
+        _gradients.backend(False, None),
         comm=comm,
         replicated=replicated,
         norm_type=norm_type,
@@ -349,8 +340,8 @@ def clip_grads_with_norm_(
     if _is_inf(max_norm):
         return  # no limit: nothing to scale (as torch's clip with max_norm=inf)
     scale = clip.clip_scale(total_norm, max_norm)
-    grads = _torch_gradients.gradients(parameters, None, of_parameters=True, reduce=False).scaled_tensors
-    _torch_partials.multiply_by(grads, scale, foreach)
+    grads = _gradients.gradients(parameters, None, of_parameters=True, reduce=False).scaled_tensors
+    _partials.multiply_by(grads, scale, foreach)
 
 
 @torch.no_grad()
@@ -397,9 +388,9 @@ def clip_grad_norm_(
     if found:
         probe = torch.stack([f.to(found[0].device, torch.float64).reshape(()) for f in found]).sum()
         probe = torch.where(probe > 0, math.inf, 0.0).reshape(1)  # no host read
-        backend = _torch_gradients.probed_backend(foreach, probe)
+        backend = _gradients.probed_backend(foreach, probe)
     else:
-        backend = _torch_gradients.backend(True, foreach)
+        backend = _gradients.backend(True, foreach)
     settings = {
         "norm_type": norm_type,
         "error_if_nonfinite": error_if_nonfinite,
@@ -444,7 +435,7 @@ def _found_infs(scaler: Any) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------
-# diagnostics: who counts what, and are copies still copies (gclip._torch_replicas)
+# diagnostics: who counts what, and are copies still copies (gclip.torch._replicas)
 
 
 @torch.no_grad()
@@ -464,8 +455,8 @@ def explain(
     share of the global norm**p. A diagnostic (it gathers every rank's list).
     """
     world = _world(comm)
-    collect = lambda: _torch_gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
-    return _torch_replicas.explain(world, collect, names, norm_type)
+    collect = lambda: _gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    return _replicas.explain(world, collect, names, norm_type)
 
 
 @torch.no_grad()
@@ -483,16 +474,16 @@ def check_replicas(
     differs (a crc32 per tensor is gathered: a diagnostic, not for every step).
     """
     world = _world(comm)
-    collect = lambda: _torch_gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
-    _torch_replicas.check_replicas(world, collect, names)
+    collect = lambda: _gradients.gradients(tensors, replicated, of_parameters=False)  # noqa: E731
+    _replicas.check_replicas(world, collect, names)
 
 
-from .torch_fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
+from ._fused import make_clip_step  # noqa: E402 - the clip folded into fused optimizers' step
 
 clip_step = make_clip_step(get_total_norm, clip_grads_with_norm_)
 
 
-from .limits import _torch as _limits  # noqa: E402 - the limits' torch front ends, handed what they use
+from . import _limits  # noqa: E402 - the limits' torch front ends, handed what they use
 
 _limits.use(_limits.Functions(get_total_norm, clip_grads_with_norm_, _world))
 AGC, AutoClip, ZClip, clip_groups_ = _limits.AGC, _limits.AutoClip, _limits.ZClip, _limits.clip_groups_

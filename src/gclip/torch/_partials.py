@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _kernels, partials
-from .partials import BinnedPowerSum
+from .. import _kernels, partials
+from ..partials import BinnedPowerSum
 
 __all__ = [
     "CPU_CHUNK",
@@ -143,7 +143,7 @@ TABLE_KINDS = {torch.float32: _kernels.F32, torch.float64: _kernels.F64}
 
 class Tensors(list):  # type: ignore[type-arg]
     """The distinct gradients of one call, with their table for the compiled kernels where the
-    reading made one (``_torch_gradients``: plain contiguous float32/float64 CPU tensors, apart
+    reading made one (``_gradients``: plain contiguous float32/float64 CPU tensors, apart
     in memory), read from the tensors on this call: nothing is kept between calls."""
 
     table: Any = None
