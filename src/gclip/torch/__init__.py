@@ -68,7 +68,13 @@ __all__ = [
 
 
 class _Mpi(drivers.Mpi):
-    """An mpi4py communicator: the engine's MPI driver."""
+    """An mpi4py communicator: the engine's MPI driver (a communicator of one rank answers its
+    own sums, as a torch group of one does: no MPI call in a one-process clip)."""
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        if self.size == 1:
+            self.all_reduce = lambda data, op: data
 
     def group(self, entry: Any, index: int) -> layout.Group:
         """A replicated= communicator as the ranks of comm it holds."""

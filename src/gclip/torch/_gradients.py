@@ -179,8 +179,9 @@ def gradients(
         picked.append((where, g, entry))
     if probe is not None:
         picked.append(("the GradScaler's found_inf", probe, False))
-    table = _plain_table(picked)
-    kept = picked if table is not None else _distinct(picked)
+    # one gradient: nothing to repeat or overlap, and its multiply needs no table (_partials)
+    table = _plain_table(picked) if len(picked) > 1 else None
+    kept = picked if table is not None or len(picked) < 2 else _distinct(picked)
     tensors = _partials.Tensors(g for _, g, _ in kept)
     tensors.table = table if table is not None and table.compiled else None  # (0: not all of a kind)
     counted = (

@@ -169,6 +169,8 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
     pass over the data twice; contiguous CPU bfloat16 is squared from its bits
     by a compiled kernel (p = 2). The rest (other devices, other bfloat16) stays here.
     """
+    if len(arrays) == 1 and arrays[0].is_cpu and arrays[0].dtype in _NUMPY_VIEWABLE:
+        return partials.power_sum([arrays[0].numpy()], p)  # one numpy view: numpy's sum, as it is
     table, kernels = _table(arrays), _kernels.get()
     if table is not None and kernels is not None and p == 2.0 and len(arrays) >= _kernels.MANY:
         # many: one compiled call, as numpy's path takes their views (the same table: the same sum)
@@ -179,6 +181,8 @@ def power_sum(arrays: Sequence[torch.Tensor], p: float) -> tuple[float, bool]:
             lambda: _any(arrays, lambda c: ~torch.isfinite(c).all()),
         )
     host, bf16, rest = _by_path(arrays)
+    if not bf16 and not rest:  # all numpy views (the CPU's usual case): numpy's sum, as it is
+        return partials.power_sum([t.numpy() for t in host], p)
     total = partials.power_sum([t.numpy() for t in host], p)[0] if host else 0.0
     kernels = _kernels.get() if p == 2.0 and bf16 else None
     for t in bf16:
@@ -240,6 +244,12 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
     """
     if factor == 1.0 or not arrays:  # exactly 1: nothing to do, not even a read
         return
+    if len(arrays) == 1 and arrays[0].is_cpu and arrays[0].dtype in _BY_SCALAR:
+        # one CPU tensor: the same product by the factor as a number (a float32 value, exact in
+        # float64: the product, rounded once to float32), without building a 0-d tensor
+        g = arrays[0]
+        g.mul_(factor if g.dtype == torch.float64 else float(partials.float32_toward_zero(factor)))
+        return
     table, kernels = _table(arrays), _kernels.get()
     if table is not None and kernels is not None and foreach is not False and _in_float32(factor):
         # the compiled multiply over the table: the same products (float32 by the float32
@@ -261,6 +271,9 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
                 g.mul_(f)
         else:
             torch._foreach_mul_(group, f)
+
+
+_BY_SCALAR = (torch.float32, torch.float64)  # their CPU multiply by a number is exactly the 0-d tensor's
 
 
 def _in_float32(factor: float) -> bool:
