@@ -313,6 +313,25 @@ def program(args: Arguments) -> Program:
     return norm, 1.0 if args.limit is None else policy.scale(norm, args.limit)
 
 
+def alone(args: Arguments) -> tuple[float, float] | None:
+    """:func:`program`'s (norm, factor) on a job of one rank, without its header, where the
+    default L2 path is the whole answer; None where the program must run (an error to raise,
+    a rescue, a non-finite sum, another norm, a layout to test): it then says the rest."""
+    spec, counts = args.spec, args.counting
+    if args.error is not None or args.size != 1 or spec.norm_type != 2.0 or spec.reproducible:
+        return None
+    if counts.owned is not None or counts.ring != (0.0, 0.0):
+        return None
+    try:
+        power, rescue = args.backend.partials.power_sum(args.arrays, 2.0)
+    except Exception:  # noqa: BLE001 - the program reads again, and raises it as it does
+        return None
+    if rescue or not power < math.inf:
+        return None
+    norm = math.sqrt(power)
+    return norm, 1.0 if args.limit is None else policy.scale(norm, args.limit)
+
+
 def nonfinite_error(p: float, norm: float, holders: list[bool]) -> NonFiniteNormError:
     """The error of ``error_if_nonfinite=True``: ``holders[r]``, rank r's own part is not finite."""
     ranks = [r for r, bad in enumerate(holders) if bad]

@@ -253,3 +253,47 @@ def test_the_checked_settings_fingerprint_is_the_specs_own(p, reproducible, flag
     for limit in (0.5, 1e-300, 0.0, 1, engine.NO_LIMIT, 123456.789, 5e307):
         spec, _ = engine._check_settings(p, limit, reproducible, flag)
         assert spec.fingerprint == engine.Spec(spec.norm_type, spec.reproducible, spec.extra).fingerprint
+
+
+def _one_rank(arrays, limit=1.0, **settings):
+    return engine.check(arrays, limit, rank=0, size=1, **settings)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("limit", [engine.NO_LIMIT, 0.5, 1e9])
+def test_alone_is_the_programs_result_to_the_bit(dtype, limit):
+    rng = np.random.default_rng(7)
+    for n in (1, 3, 1000, 5000):
+        arrays = [(rng.standard_normal(n) * rng.choice([1e-3, 1.0, 50.0])).astype(dtype)]
+        args = _one_rank(arrays, limit)
+        got = engine.alone(args)
+        want = drivers.run_simulated([engine.program(args)])[0]
+        assert got is not None and got == want  # (norm, factor), bit for bit
+        exact = math.sqrt(math.fsum(float(Fraction(float(x)) ** 2) for x in arrays[0]))
+        assert math.isclose(got[0], exact, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "arrays, settings",
+    [
+        ([np.array([1e200, 1e200])], {}),  # the sum overflows: the program's rescue
+        ([np.array([1e-300])], {}),  # underflows: the rescue too
+        ([np.array([np.inf, 1.0])], {}),  # non-finite: the program's flag
+        ([np.array([3.0, 4.0])], {"norm_type": 1.0}),
+        ([np.array([3.0, 4.0])], {"norm_type": math.inf}),
+        ([np.array([3.0, 4.0])], {"reproducible": True}),
+        ([np.array([3.0, 4.0])], {"replicated": [True]}),  # a layout to count
+        (["not an array"], {}),  # an error to raise
+    ],
+)
+def test_alone_leaves_to_the_program_what_only_it_says(arrays, settings):
+    args = _one_rank(arrays, **settings)
+    assert engine.alone(args) is None
+    outcome, _ = lockstep([engine.program(args)])
+    if isinstance(arrays[0], np.ndarray):  # the program's own answer is right where alone declines
+        assert not isinstance(outcome[0], Exception)
+
+
+def test_alone_is_for_one_rank_only():
+    args = engine.check([np.array([3.0, 4.0])], 1.0, rank=0, size=2)
+    assert engine.alone(args) is None

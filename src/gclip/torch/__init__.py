@@ -227,6 +227,10 @@ def _mpi_world() -> Any:
 # one rank's checked call, the norm, the scale
 
 
+_LISTS = (list, tuple)
+_NOT_READ = (torch.Tensor, list, tuple, str, bytes)
+
+
 def _run(
     items: Any, max_norm: Any, backend: engine.Backend, *, comm: Any, replicated: Any, **settings: Any
 ) -> torch.Tensor:
@@ -235,7 +239,7 @@ def _run(
     on the first gradient's device (in float64). Tensors on an accelerator (and calls under
     torch.compile) take the sync-free path (``_device``)."""
     world = _world(comm)
-    if isinstance(items, Iterable) and not isinstance(items, (torch.Tensor, list, tuple, str, bytes)):
+    if type(items) not in _LISTS and isinstance(items, Iterable) and not isinstance(items, _NOT_READ):
         items = list(items)  # a generator: read once, here (anything else: the checks say what it is)
     _device.check()  # a failure the device path has not raised yet: raised here
 
@@ -271,7 +275,8 @@ def _run(
         **settings,
     )
     driver: Any = world  # (a lone compiled call always takes the device path)
-    norm, scale = driver.run(engine.program(args))
+    done = engine.alone(args) if world.size == 1 else None  # one process: no header to agree on
+    norm, scale = done if done is not None else driver.run(engine.program(args))
     if max_norm is not engine.NO_LIMIT:
         args.grads.scaled(scale, True)
     device = args.arrays[0].device if args.arrays else "cpu"

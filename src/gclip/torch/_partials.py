@@ -244,11 +244,12 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
     """
     if factor == 1.0 or not arrays:  # exactly 1: nothing to do, not even a read
         return
-    if len(arrays) == 1 and arrays[0].is_cpu and arrays[0].dtype in _BY_SCALAR:
-        # one CPU tensor: the same product by the factor as a number (a float32 value, exact in
-        # float64: the product, rounded once to float32), without building a 0-d tensor
+    if len(arrays) == 1 and arrays[0].is_cpu and arrays[0].dtype in _ONE_BY_ONE:
+        # one CPU float32 or float64 tensor: the same product as below, by one 0-d tensor of its
+        # dtype (a factor as a Python number costs torch twice a 0-d tensor's multiply)
         g = arrays[0]
-        g.mul_(factor if g.dtype == torch.float64 else float(partials.float32_toward_zero(factor)))
+        f = factor if g.dtype == torch.float64 else float(partials.float32_toward_zero(factor))
+        g.mul_(torch.full((), f, dtype=g.dtype))
         return
     table, kernels = _table(arrays), _kernels.get()
     if table is not None and kernels is not None and foreach is not False and _in_float32(factor):
@@ -273,7 +274,7 @@ def multiply_by(arrays: Sequence[torch.Tensor], factor: float, foreach: bool | N
             torch._foreach_mul_(group, f)
 
 
-_BY_SCALAR = (torch.float32, torch.float64)  # their CPU multiply by a number is exactly the 0-d tensor's
+_ONE_BY_ONE = (torch.float32, torch.float64)
 
 
 def _in_float32(factor: float) -> bool:
