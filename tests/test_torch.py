@@ -504,3 +504,52 @@ def test_bfloat16_on_the_cpu_is_squared_from_its_bits_as_exactly_as_on_any_devic
         _kernels.get.cache_clear()
     assert abs(compiled - exact) / exact < 1e-13
     assert abs(plain - exact) / exact < 1e-13
+
+
+# ---------------------------------------------------------------------------
+# one process: engine.alone's shortcut gives what the program gives
+
+
+@pytest.mark.parametrize("count", [1, 2, 20])
+@pytest.mark.parametrize("limit", [0.0, 1e-40, 0.5, 1e9, math.inf])
+def test_the_one_process_shortcut_is_the_programs_result(monkeypatch, count, limit):
+    """Each dtype, one or many parameters, with and without the header's program: the same
+    norm and the same gradients, bit for bit; the norm also against fsum."""
+    for seed, special in enumerate([None, math.inf, math.nan, 1e30]):
+        runs = []
+        for shortcut in (True, False):
+            params = parameters(seed, scale=3.0)[:count]
+            if special is not None:
+                params[0].grad.view(-1)[0] = special
+            with monkeypatch.context() as m:
+                if not shortcut:
+                    m.setattr(gclip.engine, "alone", lambda args: None)
+                norm = gt.clip_grad_norm_(params, limit, comm=ONE)
+            runs.append((norm, [p.grad.clone() for p in params]))
+        (norm_a, grads_a), (norm_b, grads_b) = runs
+        assert torch.equal(norm_a, norm_b) or (norm_a.isnan() and norm_b.isnan())
+        for a, b in zip(grads_a, grads_b):
+            assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan())
+        if special is None:
+            want = fsum_norm([p.grad.double().numpy() for p in parameters(seed, scale=3.0)[:count]])
+            assert math.isclose(float(norm_a), want, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("settings", [{"error_if_nonfinite": True}, {"reproducible": True}])
+def test_under_compile_the_host_paths_settings_run_eagerly(settings):
+    """What the device path does not take runs eagerly inside a compiled function (a graph
+    break): the eager result, and error_if_nonfinite's own error, not a tracing failure."""
+    torch._dynamo.reset()
+    p = torch.nn.Parameter(torch.zeros(10))
+    grad = torch.randn(10, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(lambda: gt.clip_grad_norm_([p], 0.5, **settings), backend="eager")
+    p.grad = grad.clone()
+    got = compiled()
+    assert math.isclose(float(got), fsum_norm([grad.double().numpy()]), rel_tol=1e-12)
+    ok, info = scaled_once(grad.double().numpy(), p.grad, 0.5 / float(got))
+    assert ok, info
+    if settings.get("error_if_nonfinite"):
+        p.grad = grad.clone()
+        p.grad[0] = math.inf
+        with pytest.raises(gclip.NonFiniteNormError):
+            compiled()

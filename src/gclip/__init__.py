@@ -3,11 +3,12 @@
 When a gradient is sharded over R ranks, clipping must use the GLOBAL norm:
 each rank's local sum of squares, one all-reduce, the same scale on every rank.
 
-The core is the modules here (``clip``, ``torch``, ``layout``, ``replicas``,
-``engine``, ``drivers``, ``policy``, ``partials``, ``errors``, ``contract``);
-the lab around it is the subpackages: ``gallery`` (the bugs), and, each run as
-``python -m gclip.X``, ``demo``, ``train``, ``conformance`` (the judge) and
-``bench``. See docs/architecture.md.
+The core is the modules here (``clip``, ``reader``, ``engine``, ``drivers``,
+``layout``, ``replicas``, ``policy``, ``partials``, ``errors``, ``contract``); two
+library packages sit over it: ``torch`` (gclip.torch, the torch front end) and
+``limits``. The lab is the other subpackages: ``gallery`` (the bugs), and, each run
+as ``python -m gclip.X``, ``demo``, ``train``, ``conformance`` (the judge), ``audit``
+and ``bench``. See docs/architecture.md.
 """
 
 from .clip import (

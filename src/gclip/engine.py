@@ -315,8 +315,9 @@ def program(args: Arguments) -> Program:
 
 def alone(args: Arguments) -> tuple[float, float] | None:
     """:func:`program`'s (norm, factor) on a job of one rank, without its header, where the
-    default L2 path is the whole answer; None where the program must run (an error to raise,
-    a rescue, a non-finite sum, another norm, a layout to test): it then says the rest."""
+    default L2 path is the whole answer (a non-finite sum too: its root, scaled by 1); None
+    where the program must run (an error to raise, a rescue, error_if_nonfinite on a
+    non-finite sum, another norm, a layout to test): it then says the rest."""
     spec, counts = args.spec, args.counting
     if args.error is not None or args.size != 1 or spec.norm_type != 2.0 or spec.reproducible:
         return None
@@ -326,7 +327,7 @@ def alone(args: Arguments) -> tuple[float, float] | None:
         power, rescue = args.backend.partials.power_sum(args.arrays, 2.0)
     except Exception:  # noqa: BLE001 - the program reads again, and raises it as it does
         return None
-    if rescue or not power < math.inf:
+    if rescue or (args.error_if_nonfinite and not power < math.inf):
         return None
     norm = math.sqrt(power)
     return norm, 1.0 if args.limit is None else policy.scale(norm, args.limit)

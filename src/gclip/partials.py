@@ -146,7 +146,13 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
             chunk = chunk_size(arrays)
             scratch = _Scratch(chunk)
             for a in left:
-                total += _chunked_sum(a, p, scratch, chunk)
+                if p == 2.0 and a.size <= MIN_CHUNK and a.flags.c_contiguous:  # float32, float16
+                    # one chunk (a chunk is at least MIN_CHUNK): its float64 copy and dot, the
+                    # chunked route's own operations, without its buffer and generator
+                    flat = (a if a.ndim == 1 else a.ravel()).astype(_FLOAT64)
+                    total += float(flat.dot(flat))
+                else:
+                    total += _chunked_sum(a, p, scratch, chunk)
     if _SAFE_LO <= total <= _SAFE_HI:  # the common case, without building the questions below
         return total, False
     return total, needs_rescue(
@@ -200,11 +206,6 @@ def _one_call_sum(a: np.ndarray, p: float) -> float | None:
     if a.dtype == _FLOAT64:
         flat = a if a.ndim == 1 else a.ravel(order="K")  # a view
         return float(flat.dot(flat))  # the method: np.dot's dispatch costs a Python call
-    if a.size <= MIN_CHUNK and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
-        # one chunk (a chunk is at least MIN_CHUNK): its float64 copy and dot, as the chunked
-        # route computes it (the same bits), without the route's buffer and generator
-        flat = (a if a.ndim == 1 else a.ravel(order="K")).astype(_FLOAT64)
-        return float(flat.dot(flat))
     if a.size >= _kernels.MIN_SIZE and (a.dtype == _FLOAT32 or a.dtype == _FLOAT16):
         kernels = _kernels.get()
         if kernels is not None:  # one pass at memory speed, float64 accumulation

@@ -278,7 +278,7 @@ def test_alone_is_the_programs_result_to_the_bit(dtype, limit):
     [
         ([np.array([1e200, 1e200])], {}),  # the sum overflows: the program's rescue
         ([np.array([1e-300])], {}),  # underflows: the rescue too
-        ([np.array([np.inf, 1.0])], {}),  # non-finite: the program's flag
+        ([np.array([np.inf, 1.0])], {"error_if_nonfinite": True}),  # the program raises it
         ([np.array([3.0, 4.0])], {"norm_type": 1.0}),
         ([np.array([3.0, 4.0])], {"norm_type": math.inf}),
         ([np.array([3.0, 4.0])], {"reproducible": True}),
@@ -290,8 +290,16 @@ def test_alone_leaves_to_the_program_what_only_it_says(arrays, settings):
     args = _one_rank(arrays, **settings)
     assert engine.alone(args) is None
     outcome, _ = lockstep([engine.program(args)])
-    if isinstance(arrays[0], np.ndarray):  # the program's own answer is right where alone declines
-        assert not isinstance(outcome[0], Exception)
+    if isinstance(arrays[0], np.ndarray) and not settings.get("error_if_nonfinite"):
+        assert not isinstance(outcome[0], Exception)  # the program's own answer where alone declines
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_alone_answers_a_non_finite_sum_as_the_program_does(bad):
+    args = _one_rank([np.array([3.0, bad, 4.0])], 1.0)
+    got, (want,) = engine.alone(args), drivers.run_simulated([engine.program(args)])
+    assert got is not None and got[1] == want[1] == 1.0  # nothing scaled
+    assert got[0] == want[0] or (math.isnan(got[0]) and math.isnan(want[0]))
 
 
 def test_alone_is_for_one_rank_only():

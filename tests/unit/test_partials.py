@@ -149,3 +149,13 @@ def test_the_float32_factor_is_the_largest_float32_not_above_the_factor(factor):
     assert Fraction(float(f32)) <= Fraction(factor)
     if f32 < np.finfo(np.float32).max:
         assert Fraction(float(np.nextafter(f32, np.float32(np.inf)))) > Fraction(factor)
+
+
+def test_small_float32_arrays_are_added_after_the_float64_ones():
+    """The one-chunk float32/float16 sum keeps the chunked route's place in the order: the
+    float64 arrays' dots first, then the rest (a different order rounds 2**54 + ... apart)."""
+    arrays = [np.ones(2, np.float32), np.array([2.0**27]), np.ones(3), np.ones(5, np.float16)]
+    total, rescue = partials.power_sum(arrays, 2.0)
+    assert not rescue and total == ((2.0**54 + 3.0) + 2.0) + 5.0
+    for a in (np.ones(4096, np.float32) * 3, np.ones((64, 64), np.float16)):  # at the one-chunk edge
+        assert partials.power_sum([a], 2.0)[0] == math.fsum(float(v) ** 2 for v in a.ravel())

@@ -146,10 +146,13 @@ def _is_process_group(comm: Any) -> bool:
     return dist.is_available() and isinstance(comm, dist.ProcessGroup)
 
 
-class _Lone:
-    """One process, no communicator (a compiled call outside any job)."""
+class _Lone(drivers.Driver):
+    """One process, no communicator (a compiled call outside any job): its own sums."""
 
     rank, size = 0, 1
+
+    def __init__(self) -> None:
+        self.all_reduce, self.all_gather = (lambda data, op: data), (lambda item: [item])
 
 
 _LONE = _Lone()
@@ -264,6 +267,20 @@ def _run(
             inplace=bool(settings.get("inplace", False)),
             norm_type=settings.get("norm_type", 2.0),
         )
+    host = _on_host_eagerly if torch.compiler.is_compiling() else _on_host
+    return host(world, items, max_norm, backend, replicated, counting, settings)
+
+
+def _on_host(
+    world: Any,
+    items: Any,
+    max_norm: Any,
+    backend: engine.Backend,
+    replicated: Any,
+    counting: Any,
+    settings: dict[str, Any],
+) -> torch.Tensor:
+    """The host path: the engine's checks and program, the sums read on the host."""
     args = engine.check(
         items,
         max_norm,
@@ -274,7 +291,7 @@ def _run(
         counting=counting,
         **settings,
     )
-    driver: Any = world  # (a lone compiled call always takes the device path)
+    driver: Any = world
     done = engine.alone(args) if world.size == 1 else None  # one process: no header to agree on
     norm, scale = done if done is not None else driver.run(engine.program(args))
     if max_norm is not engine.NO_LIMIT:
@@ -282,6 +299,11 @@ def _run(
     device = args.arrays[0].device if args.arrays else "cpu"
     # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
     return torch.full((), norm, dtype=torch.float64, device=device)
+
+
+# under torch.compile, what the device path does not take (error_if_nonfinite=True, reproducible,
+# norm_type='inf') runs eagerly, a graph break: numpy and the host reads cannot be traced
+_on_host_eagerly = torch.compiler.disable(_on_host)
 
 
 # ---------------------------------------------------------------------------
