@@ -142,17 +142,18 @@ def power_sum(arrays: Sequence[np.ndarray], p: float) -> tuple[float, bool]:
                 left.append(a)
             else:
                 total += s
-        if left:
-            chunk = chunk_size(arrays)
-            scratch = _Scratch(chunk)
-            for a in left:
-                if p == 2.0 and a.size <= MIN_CHUNK and a.flags.c_contiguous:  # float32, float16
-                    # one chunk (a chunk is at least MIN_CHUNK): its float64 copy and dot, the
-                    # chunked route's own operations, without its buffer and generator
-                    flat = (a if a.ndim == 1 else a.ravel()).astype(_FLOAT64)
-                    total += float(flat.dot(flat))
-                else:
-                    total += _chunked_sum(a, p, scratch, chunk)
+        scratch: _Scratch | None = None
+        for a in left:
+            if p == 2.0 and a.size <= MIN_CHUNK and a.flags.c_contiguous:  # float32, float16
+                # one chunk (a chunk is at least MIN_CHUNK): its float64 copy and dot, the
+                # chunked route's own operations, without its buffer and generator
+                flat = (a if a.ndim == 1 else a.ravel()).astype(_FLOAT64)
+                total += float(flat.dot(flat))
+                continue
+            if scratch is None:
+                chunk = chunk_size(arrays)
+                scratch = _Scratch(chunk)
+            total += _chunked_sum(a, p, scratch, chunk)
     if _SAFE_LO <= total <= _SAFE_HI:  # the common case, without building the questions below
         return total, False
     return total, needs_rescue(
