@@ -296,9 +296,14 @@ def _on_host(
     norm, scale = done if done is not None else driver.run(engine.program(args))
     if max_norm is not engine.NO_LIMIT:
         args.grads.scaled(scale, True)
-    device = args.arrays[0].device if args.arrays else "cpu"
+    device = args.arrays[0].device if args.arrays else _CPU
+    if device == _CPU:  # numpy's 0-d array, shared: half torch.full's cost
+        return torch.from_numpy(np.array(norm))
     # torch.full: a fill kernel, where torch.tensor would copy from the host and wait for the device
     return torch.full((), norm, dtype=torch.float64, device=device)
+
+
+_CPU = torch.device("cpu")
 
 
 # under torch.compile, what the device path does not take (error_if_nonfinite=True, reproducible,

@@ -140,7 +140,7 @@ def gradients(
         raise GclipValueError(f"replicated has {len(replicated)} entries for {len(items)} {name}")
     placed: dict[tuple[int, str], Any] = {}  # a DTensor's one Placed entry, however often it is given
     picked: list[tuple[str, torch.Tensor, Any]] = []
-    partial = _Partials()
+    partial: _Partials | None = None  # made at the first DTensor
     for i, item in enumerate(items):
         if of_parameters:
             if not isinstance(item, torch.Tensor):
@@ -167,6 +167,7 @@ def gradients(
                 )
             key = (id(g), repr(entry))
             if key not in placed:
+                partial = partial or _Partials()
                 placements = partial.reduced_placements(g)
                 signature = (
                     tuple(g.shape),
@@ -182,11 +183,10 @@ def gradients(
     # one gradient: nothing to repeat or overlap, and its multiply needs no table (_partials)
     table = _plain_table(picked) if len(picked) > 1 else None
     kept = picked if table is not None or len(picked) < 2 else _distinct(picked)
-    tensors = _partials.Tensors(g for _, g, _ in kept)
+    tensors = _partials.Tensors([g for _, g, _ in kept])
     tensors.table = table if table is not None and table.compiled else None  # (0: not all of a kind)
-    counted = (
-        partial.reduce(tensors) if reduce else tensors
-    )  # Partial sums: their reduced copies are what is counted
+    # Partial sums: their reduced copies are what is counted
+    counted = partial.reduce(tensors) if reduce and partial is not None else tensors
     return Gradients(
         counted,
         [e for _, _, e in kept],
