@@ -20,6 +20,7 @@ import gclip.torch as gt  # noqa: E402
 import gclip.torch._device as device_path  # noqa: E402
 from gclip import engine  # noqa: E402
 from gclip.errors import GclipValueError  # noqa: E402
+from gclip.torch import _compile  # noqa: E402
 from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd  # noqa: E402
 from torch_oracle import float64, fsum_norm  # noqa: E402
 
@@ -73,6 +74,25 @@ def test_a_bad_argument_is_raised_with_the_gradients_untouched(forced):
 def test_the_compile_time_fingerprint_is_the_engines():
     spec = engine.check([], 1.0, rank=0, size=1).spec
     assert device_path._crc_halves(spec.describe()) == spec.fingerprint
+
+
+def test_the_constant_mark_is_the_one_torchs_marker_sets():
+    def by_torch() -> int:
+        return 1
+
+    def by_gclip() -> int:
+        return 1
+
+    assert torch.compiler.assume_constant_result(by_torch) is by_torch
+    assert _compile.constant_result(by_gclip) is by_gclip
+    assert vars(by_gclip) == vars(by_torch) == {"_dynamo_marked_constant": True}
+
+
+def test_importing_gclip_torch_leaves_dynamo_unloaded():
+    """torch.compile's tracer (1.4 s of CPU per process) loads only when a job compiles."""
+    ask = "import sys, gclip.torch; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    got = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=120, check=True)
+    assert got.stdout.strip() == "[]", got.stdout
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

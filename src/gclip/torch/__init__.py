@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - torch is an optional extra
 
 from .. import clip, drivers, engine, layout
 from ..errors import GclipTypeError, GclipValueError
-from . import _device, _dtensor, _gradients, _partials, _replicas
+from . import _compile, _device, _dtensor, _gradients, _partials, _replicas
 from ._gradients import FLOAT_DTYPES
 
 __all__ = [
@@ -209,7 +209,7 @@ def _lone_or_mpi() -> _Mpi:
     return _MPI_WORLD[0]
 
 
-@torch.compiler.assume_constant_result
+@_compile.constant_result
 def _mpi_world_size() -> int:
     return int(_mpi_world().Get_size())
 
@@ -308,7 +308,7 @@ _CPU = torch.device("cpu")
 
 # under torch.compile, what the device path does not take (error_if_nonfinite=True, reproducible,
 # norm_type='inf') runs eagerly, a graph break: numpy and the host reads cannot be traced
-_on_host_eagerly = torch.compiler.disable(_on_host)
+_on_host_eagerly = _compile.eagerly(_on_host)
 
 
 # ---------------------------------------------------------------------------

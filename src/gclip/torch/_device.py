@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .. import engine, layout
 from ..errors import GclipValueError
+from . import _compile
 
 __all__ = ["FORCE", "check", "clip", "eligible"]
 
@@ -148,10 +149,10 @@ def _fingerprint(spec: Any) -> tuple[float, float]:
     """The arguments' fingerprint, ``engine.Spec.fingerprint`` (a constant of a compiled graph)."""
     if not torch.compiler.is_compiling():
         return tuple(spec.fingerprint)
-    return _crc_halves(spec.describe())  # type: ignore[no-any-return]
+    return _crc_halves(spec.describe())
 
 
-@torch.compiler.assume_constant_result
+@_compile.constant_result
 def _crc_halves(description: str) -> tuple[float, float]:
     """``engine.Spec.fingerprint`` from its description, computed once at trace time (zlib
     cannot be traced); tests/test_torch_device.py checks the two agree."""
@@ -169,7 +170,7 @@ class _Spec(NamedTuple):
         return self.text
 
 
-@torch.compiler.assume_constant_result
+@_compile.constant_result
 def _settings(norm_type: Any, max_norm: Any) -> tuple[bool, float, float, str]:
     """(refused?, p, limit (NaN: none), the description): ``engine.check``'s settings, checked
     once at trace time (its cached Spec cannot be traced: a lock guards its fingerprint)."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .. import engine, layout
 from ..errors import GclipTypeError, GclipValueError
+from . import _compile
 
 __all__ = ["Placed", "counting", "is_dtensor", "is_mesh", "local", "mesh_group", "undeclared_error"]
 
@@ -256,7 +257,7 @@ def _list_ring(world: Any, placed: Sequence[Placed], comm_mesh: Any) -> tuple[tu
     return (ring[0], ring[1]), held
 
 
-@torch.compiler.assume_constant_result
+@_compile.constant_result
 def _ring(salt: bytes, members: tuple[int, ...], position: int, what: str) -> float:
     """``layout._ring`` (a hash: computed once at trace time under torch.compile)."""
     return float(layout._ring(salt, members, position, what))
