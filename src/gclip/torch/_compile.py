@@ -1,9 +1,10 @@
 """What gclip.torch tells ``torch.compile``, without importing ``torch._dynamo``.
 
 torch's own markers (``torch.compiler.assume_constant_result`` and ``torch.compiler.disable``)
-import ``torch._dynamo`` when they are applied, at gclip.torch's import: 1.4 s of CPU on every
-rank of every job, where torch, DTensor and FSDP2 import without it. A job that compiles has
-it loaded by the time anything is traced, so the marks wait until then.
+import ``torch._dynamo`` when they are applied, at gclip.torch's import: 1.7 s of CPU on every
+rank of every job, where torch, DTensor and FSDP2 import without it (FSDP2 loads it later, at
+``fully_shard``). A job that compiles has it loaded by the time anything is traced, so the
+marks wait until then.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def constant_result(fn: F) -> F:
 
 def eagerly(fn: F) -> F:
     """``fn`` as ``torch.compiler.disable(fn)``, called from traced code only: the disabled
-    function is made at the first such call (one more graph break there, once)."""
+    function is made at the first such call (a graph break at that call, on the first trace only)."""
     made: list[Any] = []
 
     def run(*args: Any, **kwargs: Any) -> Any:
