@@ -1,5 +1,6 @@
 """ZClip, AutoClip and AGC make the same decisions on PyTorch's layouts as on one process
-(tests/torch_adaptive_check.py, 4 torchrun CPU processes, gloo, 100 steps with spikes).
+(tests/torch_adaptive_check.py, 4 torchrun CPU processes, gloo, 100 steps with spikes; every
+layout in one torchrun job, tests/torch_batch.py, which the tests share).
 
 Oracles: with ``reproducible=True`` the layout's limits equal, bit for bit, those of the
 same clipper on one process over the whole model's full gradients; the test's
@@ -12,7 +13,6 @@ which continues as the reference does from that state.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -20,28 +20,30 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, job_env, run_job, torchrun_cmd  # noqa: E402
+from torch_jobs import Batch  # noqa: E402
 from unit.test_limits import ReferenceZClip  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
-SCRIPT = str(ROOT / "tests" / "torch_adaptive_check.py")
 RANKS = 4
 
 
-def job(layout: str, outdir, state=None) -> list[dict]:
-    args = [SCRIPT, layout, str(outdir), *([str(state)] if state else [])]
-    done = run_job(torchrun_cmd(RANKS, *args), env=job_env())
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(RANKS)]
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Batch:
+    base = tmp_path_factory.mktemp("adaptive")
+    cases = {layout: ("torch_adaptive_check", layout) for layout in ("tp", "pp_fsdp", "fsdp")}
+    # the HSDP case loads the FSDP2 case's state through torch.distributed.checkpoint
+    cases["hsdp"] = ("torch_adaptive_check", "hsdp", str(base / "fsdp" / "zclip_dcp"))
+    return Batch(RANKS, cases, base)
 
 
 @pytest.fixture(scope="module")
-def fsdp_then_hsdp(tmp_path_factory):
-    first = tmp_path_factory.mktemp("fsdp")
-    second = tmp_path_factory.mktemp("hsdp")
-    # the HSDP job loads the FSDP2 job's state through torch.distributed.checkpoint
-    return job("fsdp", first), job("hsdp", second, first / "zclip_dcp"), first / "zclip_state.pt"
+def fsdp_then_hsdp(job):
+    return job.reports("fsdp"), job.reports("hsdp"), job.dirs["fsdp"] / "zclip_state.pt"
+
+
+def test_the_job_of_every_case_ends_cleanly(job):
+    job.assert_finished()
 
 
 def same(a: float, b: float) -> bool:
@@ -96,8 +98,8 @@ def check(every: list[dict], reference: ReferenceZClip) -> None:
 
 
 @pytest.mark.parametrize("layout", ["tp", "pp_fsdp"])
-def test_adaptive_clippers_decide_on_the_layout_as_on_one_process(layout, tmp_path):
-    check(job(layout, tmp_path), ReferenceZClip(max_grad_norm=None))
+def test_adaptive_clippers_decide_on_the_layout_as_on_one_process(layout, job):
+    check(job.reports(layout), ReferenceZClip(max_grad_norm=None))
 
 
 def test_fsdp2_as_on_one_process(fsdp_then_hsdp):

@@ -1,5 +1,7 @@
 """gclip.torch where a layout could count silently wrong, or where torch is right and gclip
-refused (tests/torch_agree_check.py, 4 torchrun CPU processes, gloo).
+refused (tests/torch_agree_check.py, 4 torchrun CPU processes, gloo), every case in one
+torchrun job (tests/torch_batch.py), which the tests share; ``stale`` runs last, as the mesh it
+leaves recorded is the one it tests.
 
 The oracle: math.fsum over the squares of every full gradient (``full_tensor()``), each tensor
 once; torch's own clip on the same gradients where it is right.
@@ -7,25 +9,26 @@ once; torch's own clip on the same gradients where it is right.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd
+from torch_jobs import Batch
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(ROOT / "tests" / "torch_agree_check.py")
 RANKS = 4
 AGREED = "GclipValueError: ranks 0, 1, 2, 3 of 4: "
+CASES = {name: ("torch_agree_check", name) for name in ("mismatch", "tp_sp", "inf_meta", "ep", "stale")}
 
 
-def reports(case: str, tmp_path) -> list[dict]:
-    job = run_job(torchrun_cmd(RANKS, SCRIPT, case, str(tmp_path)), env=job_env())
-    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Batch:
+    return Batch(RANKS, CASES, tmp_path_factory.mktemp("agree"))
+
+
+def test_the_job_of_every_case_ends_cleanly(job):
+    job.assert_finished()
 
 
 def close(got, oracle, rel=1e-12) -> bool:
@@ -37,8 +40,8 @@ def same_everywhere(every: list[dict], key: str) -> str:
     return value
 
 
-def test_a_mesh_recorded_from_an_earlier_root_is_refused_and_the_declaration_it_names_is_exact(tmp_path):
-    every = reports("stale", tmp_path)
+def test_a_mesh_recorded_from_an_earlier_root_is_refused_and_the_declaration_it_names_is_exact(job):
+    every = job.reports("stale")
     oracle = every[0]["oracle"]
     assert all(r["recorded_root"] == ["pp", "dp"] for r in every)  # torch recorded the earlier root
     assert all(close(r["torch"], oracle, 1e-6) for r in every)
@@ -54,8 +57,8 @@ def test_a_mesh_recorded_from_an_earlier_root_is_refused_and_the_declaration_it_
     assert "'rep' is not a dimension of the mesh torch records" in unknown and "comm=" in unknown
 
 
-def test_mismatched_dtensor_lists_are_one_agreed_error(tmp_path):
-    every = reports("mismatch", tmp_path)
+def test_mismatched_dtensor_lists_are_one_agreed_error(job):
+    every = job.reports("mismatch")
     oracle = every[0]["oracle"]
     for key, rank, counts in (
         ("fewer", 2, "15, the others 16"),
@@ -70,8 +73,8 @@ def test_mismatched_dtensor_lists_are_one_agreed_error(tmp_path):
     assert all(close(r["alike"], oracle) for r in every)
 
 
-def test_partial_gradients_of_sequence_parallel_are_reduced_and_counted_once(tmp_path):
-    every = reports("tp_sp", tmp_path)
+def test_partial_gradients_of_sequence_parallel_are_reduced_and_counted_once(job):
+    every = job.reports("tp_sp")
     oracle = every[0]["oracle"]
     for r in every:
         assert "(Partial(sum),)" in r["placements"]
@@ -83,8 +86,8 @@ def test_partial_gradients_of_sequence_parallel_are_reduced_and_counted_once(tmp
         assert r["all_reduces_without_partial"] == 1  # none of its own where there is no Partial
 
 
-def test_max_norm_inf_returns_the_norm_and_scales_nothing_and_meta_is_one_line(tmp_path):
-    every = reports("inf_meta", tmp_path)
+def test_max_norm_inf_returns_the_norm_and_scales_nothing_and_meta_is_one_line(job):
+    every = job.reports("inf_meta")
     oracle = every[0]["oracle"]
     for r in every:
         assert close(r["norm"], oracle) and r["norm_tensor_inf"] == r["norm"]
@@ -93,8 +96,8 @@ def test_max_norm_inf_returns_the_norm_and_scales_nothing_and_meta_is_one_line(t
         assert r["meta"].startswith(AGREED + "parameters[0].grad is on the meta device")
 
 
-def test_expert_parallel_meshes_in_one_call_count_each_expert_once(tmp_path):
-    every = reports("ep", tmp_path)
+def test_expert_parallel_meshes_in_one_call_count_each_expert_once(job):
+    every = job.reports("ep")
     oracle = every[0]["oracle"]
     for r in every:
         assert close(r["norm"], oracle), r["norm"]

@@ -1,5 +1,7 @@
 """gclip.torch on PyTorch's layouts under torchrun, 4 CPU processes (gloo): FSDP2, HSDP,
-tensor parallel, FSDP x TP, two pipeline stages x FSDP, DDP (tests/torch_layouts_check.py).
+tensor parallel, FSDP x TP, two pipeline stages x FSDP, DDP (tests/torch_layouts_check.py),
+the AMP recipes (tests/torch_amp_check.py) and DeviceMesh as comm (tests/torch_mesh_check.py),
+every case in one torchrun job (tests/torch_batch.py), which the tests share.
 
 The oracle: math.fsum over the squares of every full gradient (``full_tensor()``),
 each tensor counted once. The clipped full gradient's norm must be min(max_norm, norm)
@@ -14,23 +16,34 @@ import pytest
 
 pytest.importorskip("torch", reason="gclip.torch needs PyTorch (pip install 'gclip[torch]')")
 
-from torch_jobs import ROOT, assert_finished, job_env, run_job, torchrun_cmd
+from torch_jobs import ROOT, Batch, assert_finished, job_env, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(ROOT / "tests" / "torch_layouts_check.py")
 RANKS = 4
+LAYOUTS = ["fsdp", "hsdp", "tp", "fsdp_tp", "pp_fsdp", "ddp", "fsdp_2d"]
+CASES = {
+    **{layout: ("torch_layouts_check", layout) for layout in LAYOUTS},
+    "amp-agreed": ("torch_amp_check", "agreed", "hsdp"),
+    "amp-standard-hsdp": ("torch_amp_check", "standard", "hsdp"),
+    "amp-standard-fsdp": ("torch_amp_check", "standard", "fsdp"),
+    "amp-local": ("torch_amp_check", "local", "hsdp"),
+    "mesh": ("torch_mesh_check",),
+}
 
 
-def reports(layout: str, tmp_path) -> list[dict]:
-    job = run_job(torchrun_cmd(RANKS, SCRIPT, layout, str(tmp_path)), env=job_env())
-    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Batch:
+    return Batch(RANKS, CASES, tmp_path_factory.mktemp("layouts"))
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp", "fsdp_tp", "pp_fsdp", "ddp", "fsdp_2d"])
-def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout, tmp_path):
-    every = reports(layout, tmp_path)
+def test_the_job_of_every_case_ends_cleanly(job):
+    job.assert_finished()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout, job):
+    every = job.reports(layout)
     oracle = every[0]["oracle"]
     assert oracle > 0
     for r in every:
@@ -61,15 +74,8 @@ def test_the_whole_models_norm_counted_once_and_the_full_gradient_clipped(layout
         assert 0 in every[3]["local_counts"] and every[0]["local_counts"] != every[3]["local_counts"]
 
 
-def amp(recipe: str, tmp_path, layout: str = "hsdp") -> list[dict]:
-    script = str(ROOT / "tests" / "torch_amp_check.py")
-    job = run_job(torchrun_cmd(RANKS, script, recipe, str(tmp_path), layout), env=job_env())
-    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
-
-
-def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf(tmp_path):
-    every = amp("agreed", tmp_path)
+def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf(job):
+    every = job.reports("amp-agreed")
     assert all(r["norm"] == float("inf") for r in every)
     assert not any(r["stepped"] for r in every)
     assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
@@ -78,9 +84,9 @@ def test_the_amp_recipe_skips_the_step_on_every_rank_when_one_shard_holds_an_inf
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp"])
-def test_the_standard_amp_loop_with_the_scaler_given_skips_on_every_rank_together(layout, tmp_path):
+def test_the_standard_amp_loop_with_the_scaler_given_skips_on_every_rank_together(layout, job):
     """unscale_, gclip's clip (scaler=scaler), scaler.step, scaler.update: torch's loop."""
-    every = amp("standard", tmp_path, layout)
+    every = job.reports(f"amp-standard-{layout}")
     assert all(r["norm"] == float("inf") for r in every)
     assert not any(r["stepped"] for r in every)
     assert {r["scale"] for r in every} == {32768.0}  # backed off once, alike
@@ -88,9 +94,9 @@ def test_the_standard_amp_loop_with_the_scaler_given_skips_on_every_rank_togethe
     assert all(r["check_replicas"] == "" for r in every)
 
 
-def test_scaler_step_alone_decides_per_rank_and_the_replicas_part(tmp_path):
+def test_scaler_step_alone_decides_per_rank_and_the_replicas_part(job):
     """The case the recipe is for: GradScaler's own found_inf is not agreed across replicas."""
-    every = amp("local", tmp_path)
+    every = job.reports("amp-local")
     assert len({r["stepped"] for r in every}) == 2 and len({r["scale"] for r in every}) == 2
     assert not all(r["same_as_replica"] for r in every)
     # and check_replicas finds it, with the same one line on every rank
@@ -131,11 +137,8 @@ def test_the_fsdp2_bench_times_both_clips_and_finds_the_same_norm():
     assert abs(out["norm_gclip"] - out["norm_torch"]) <= 1e-3 * out["norm_gclip"]  # torch sums in float32
 
 
-def test_device_mesh_as_comm_dimension_names_and_the_refusals(tmp_path):
-    script = str(ROOT / "tests" / "torch_mesh_check.py")
-    job = run_job(torchrun_cmd(RANKS, script, str(tmp_path)), env=job_env())
-    assert_finished(job, [tmp_path / f"rank{r}.json" for r in range(RANKS)])
-    every = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+def test_device_mesh_as_comm_dimension_names_and_the_refusals(job):
+    every = job.reports("mesh")
     oracle = every[0]["oracle"]
     for r in every:
         assert abs(r["alone"] - oracle) <= 1e-12 * oracle and r["listed"] == r["alone"]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import gclip.torch as gt
-from torch_jobs import watchdog
+from torch_jobs import run_case
 from torch_layouts_check import COMM, build, full
 
 STEPS = 100
@@ -111,9 +111,7 @@ def load(state: str) -> dict:
     return template["zclip"]
 
 
-def main(layout: str, outdir: str, state: str | None) -> None:
-    watchdog()
-    dist.init_process_group("gloo")
+def case(outdir: str, layout: str, state: str | None = None) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     selves = [dist.new_group([r]) for r in range(size)]  # every rank makes every group
     alone = selves[rank]
@@ -198,11 +196,10 @@ def main(layout: str, outdir: str, state: str | None) -> None:
         torch.save(zclip.state_dict(), Path(outdir, "zclip_state.pt"))
     # the same state through torch.distributed.checkpoint: every rank holds it (replicated)
     dcp.save({"zclip": zclip.state_dict()}, checkpoint_id=Path(outdir, "zclip_dcp"))
-    dist.barrier()
-    dist.destroy_process_group()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+    layout, outdir, *state = sys.argv[1:]
+    run_case(case, outdir, layout, *state)

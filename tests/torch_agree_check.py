@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import gclip.torch as gt
-from torch_jobs import watchdog
+from torch_jobs import run_case
 from torch_layouts_check import Block, Net, batch, error_of, full, gathered_norm, loss_of
 
 
@@ -197,18 +197,14 @@ def ep(rank: int) -> dict:
     return report
 
 
-def main(case: str, outdir: str) -> None:
-    watchdog()
-    dist.init_process_group("gloo")
+CASES = {"stale": stale, "mismatch": mismatch, "tp_sp": tp_sp, "inf_meta": inf_meta, "ep": ep}
+
+
+def case(outdir: str, name: str) -> None:
     rank = dist.get_rank()
-    report = {
-        "rank": rank,
-        **{"stale": stale, "mismatch": mismatch, "tp_sp": tp_sp, "inf_meta": inf_meta, "ep": ep}[case](rank),
-    }
-    dist.barrier()
-    dist.destroy_process_group()
+    report = {"rank": rank, **CASES[name](rank)}
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_case(case, sys.argv[2], sys.argv[1])

@@ -28,13 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gclip.torch as gt
-from torch_jobs import teardown, watchdog
+from torch_jobs import run_case
 from torch_layouts_check import Net, batch, loss_of
 
 
-def main(recipe: str, outdir: str, layout: str = "hsdp") -> None:
-    watchdog()
-    dist.init_process_group("gloo")
+def case(outdir: str, recipe: str, layout: str = "hsdp") -> None:
     rank = dist.get_rank()
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -81,8 +79,8 @@ def main(recipe: str, outdir: str, layout: str = "hsdp") -> None:
     except Exception as exc:  # noqa: BLE001 - reported
         report["check_replicas"] = f"{type(exc).__name__}: {exc}"
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
-    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    recipe, outdir, *layout = sys.argv[1:]
+    run_case(case, outdir, recipe, *layout)

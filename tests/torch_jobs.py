@@ -9,6 +9,7 @@ that outlives its launcher ends itself.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import re
 import shutil
@@ -138,6 +139,56 @@ def exited(job: subprocess.CompletedProcess, status: int) -> bool:
         return True
     codes = [int(c) for c in _FAILED_RANK.findall(job.stderr)]
     return TEARDOWN_ABORT in job.stderr and -6 in codes and set(codes) <= {-6, -15, status}
+
+
+BATCH = str(ROOT / "tests" / "torch_batch.py")
+
+
+class Batch:
+    """Several check cases in one torchrun job (tests/torch_batch.py), for a module's tests to share.
+
+    ``cases`` maps a name to (script, *args): the script's ``case(outdir, *args)`` runs with
+    outdir ``base/<name>``, in the order given. Each test reads its own case's verdicts; a case
+    that failed, or never ran because an earlier one failed, fails its test with the traceback."""
+
+    def __init__(self, ranks: int, cases: dict[str, tuple[str, ...]], base: Path) -> None:
+        self.ranks, self.errors = ranks, base / "errors.txt"
+        self.dirs = {name: base / name for name in cases}
+        specs = []
+        for name, (script, *args) in cases.items():
+            self.dirs[name].mkdir(parents=True)
+            specs.append(":".join([script, str(self.dirs[name]), *args]))
+        timeout = JOB_TIMEOUT + 20 * len(cases)  # the cases run one after the other
+        env = job_env(BATCH_ERRORS=str(self.errors), GCLIP_JOB_TIMEOUT=str(timeout))
+        self.job = run_job(torchrun_cmd(ranks, BATCH, *specs), env=env, timeout=timeout)
+
+    def verdicts(self, name: str) -> list[Path]:
+        return [self.dirs[name] / f"rank{r}.json" for r in range(self.ranks)]
+
+    def reports(self, name: str) -> list[dict]:
+        """Every rank's verdict on the case, or the test fails saying why there is none."""
+        files = self.verdicts(name)
+        if not all(f.exists() for f in files):
+            errors = self.errors.read_text()[-4000:] if self.errors.exists() else "(no case raised)"
+            pytest.fail(
+                f"case {name}: no verdict from every rank (exit {self.job.returncode})\n{errors}\n"
+                f"{self.job.stdout[-2000:]}\n{self.job.stderr[-4000:]}"
+            )
+        return [json.loads(f.read_text()) for f in files]
+
+    def assert_finished(self) -> None:
+        """The job as a whole: every case's verdicts, and a clean end (see :func:`assert_finished`)."""
+        assert_finished(self.job, [f for name in self.dirs for f in self.verdicts(name)])
+
+
+def run_case(case: Any, *args: Any) -> None:
+    """A check script's own command line: one case in a job of its own."""
+    import torch.distributed as dist
+
+    watchdog()
+    dist.init_process_group("gloo")
+    case(*args)
+    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 def assert_audited(steps: list[dict], bug: str | None) -> None:

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import gclip.torch as gt
-from torch_jobs import teardown, watchdog
+from torch_jobs import run_case
 
 D, H, IN, OUT, BATCH = 6, 12, 5, 3, 4
 
@@ -193,9 +193,7 @@ def error_of(call) -> str:
     return ""
 
 
-def main(layout: str, outdir: str) -> None:
-    watchdog()
-    dist.init_process_group("gloo")
+def case(outdir: str, layout: str) -> None:
     rank = dist.get_rank()
     model, leader, backward = build(layout, rank)
     backward()
@@ -234,9 +232,8 @@ def main(layout: str, outdir: str) -> None:
         p.grad.to_local().numel() if hasattr(p.grad, "to_local") else p.grad.numel() for p in params
     ]
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
-    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(sys.argv[1], sys.argv[2])
+    run_case(case, sys.argv[2], sys.argv[1])

@@ -25,13 +25,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial
 
 import gclip.torch as gt
-from torch_jobs import teardown, watchdog
+from torch_jobs import run_case
 from torch_layouts_check import error_of
 
 
-def main(outdir: str) -> None:
-    watchdog()
-    dist.init_process_group("gloo")
+def case(outdir: str) -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh.get_coordinate()
@@ -54,8 +52,7 @@ def main(outdir: str) -> None:
     except RuntimeError as exc:  # as torch's clip raises
         report["nonfinite"] = f"{type(exc).__name__}: {exc}"
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
-    teardown(dist)  # after the verdict: an abort at teardown cannot take it away
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_case(case, sys.argv[1])
