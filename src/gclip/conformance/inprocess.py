@@ -44,8 +44,15 @@ __all__ = ["TRACE_BYTES", "conforms", "verdict_message"]
 
 TRACE_BYTES = 4096  # one rank's trace, as JSON, in the watchdogs' exchange
 ABORT_CODE = 3
-LAST_RESORT_S = 30.0  # after the timeout: faulthandler ends a rank whose watchdog could not run
+LAST_RESORT_S = 30.0  # at most, after the timeout: faulthandler ends a rank whose watchdog could not run
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def last_resort(timeout: float) -> float:
+    """The grace after a case's timeout before faulthandler ends the rank: long enough for a
+    watchdog slowed by a loaded machine to say what happened first (it acts within 0.05 s when it
+    can run), and no longer than a short timeout needs (3 x, from 10 s up to LAST_RESORT_S)."""
+    return min(LAST_RESORT_S, max(10.0, 3.0 * timeout))
 
 
 class _Watchdog(threading.Thread):
@@ -83,7 +90,8 @@ class _Watchdog(threading.Thread):
         self.sink({"e": "start", "c": case})
         self.case = case
         # the last resort, which needs no GIL: if even the watchdogs cannot run, end this rank
-        faulthandler.dump_traceback_later(self.timeout + LAST_RESORT_S, exit=True, file=self.stderr)
+        grace = last_resort(self.timeout)
+        faulthandler.dump_traceback_later(self.timeout + grace, exit=True, file=self.stderr)
 
     def finish(self) -> None:
         faulthandler.cancel_dump_traceback_later()
