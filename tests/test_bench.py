@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -599,6 +600,20 @@ def test_numba_target_names_the_code_generation_and_its_vector_width(monkeypatch
     monkeypatch.delenv("NUMBA_CPU_NAME")
     monkeypatch.delenv("NUMBA_CPU_FEATURES")
     assert numba_target()["cpu_name"].startswith("host (")
+
+
+def test_the_vector_width_used_is_read_from_numbas_own_code():
+    pytest.importorskip("numba")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the probe reads x86 registers")
+    got = numba_target()
+    assert got["vector_bits_used"] in (128, 256, 512) and got["vector_bits_used"] <= got["vector_bits"]
+    machine = {
+        "cpu": cpu_info(CPUINFO),
+        "numba": {**got, "vector_bits": 512, "vector_bits_used": 256},
+        "blas": [],
+    }
+    assert ", 512-bit vectors allowed, 256-bit used (LLVM's tuning for this CPU);" in machine_line(machine)
 
 
 def test_machine_line_names_cpu_target_and_blas():

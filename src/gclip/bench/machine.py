@@ -97,7 +97,32 @@ def numba_target() -> dict[str, Any]:
     from .. import _kernels
 
     out["kernels"] = _kernels.get() is not None
+    if out["kernels"]:
+        out["vector_bits_used"] = vector_bits_used()
     return out
+
+
+def vector_bits_used() -> int | None:
+    """The widest vector register in the code numba makes here for a loop like the kernels' (a
+    float32 array's squares summed in float64): LLVM's tuning for a CPU may use narrower vectors
+    than the CPU has (256-bit on Intel's AVX-512 server cores). None where it cannot be read."""
+    try:
+        import numba
+        import numpy as np
+
+        @numba.njit(fastmath={"reassoc", "contract"}, cache=False)
+        def probe(x):  # gclip._jit.sumsq's loop, compiled afresh (cached code has no assembly)
+            s = 0.0
+            for i in range(x.size):
+                v = np.float64(x[i])
+                s += v * v
+            return s
+
+        probe(np.zeros(1, np.float32))
+        asm = "\n".join(probe.inspect_asm().values())
+    except Exception:  # noqa: BLE001 - an unknown answer, not a failed bench
+        return None
+    return next((bits for bits, reg in ((512, "%zmm"), (256, "%ymm"), (128, "%xmm")) if reg in asm), None)
 
 
 _AVX2_CPUS = ("haswell", "broadwell", "skylake", "alderlake", "znver1", "znver2", "znver3")
@@ -209,7 +234,10 @@ def machine_line(machine: dict[str, Any] | None) -> str:
     if target.get("cpu_features") not in (None, "host"):
         code += f" features={target['cpu_features'] or 'its own'}"
     if "vector_bits" in target:
+        used = target.get("vector_bits_used")
         code += f", {target['vector_bits']}-bit vectors"
+        if used is not None and used != target["vector_bits"]:
+            code += f" allowed, {used}-bit used (LLVM's tuning for this CPU)"
     if not target.get("kernels", False):
         code += ", kernels off (numpy alone)"
     blas = "; ".join(
