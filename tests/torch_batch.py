@@ -6,9 +6,9 @@ CASE is ``SCRIPT:ARG:ARG...``: a check script of tests/ (its module name) and th
 ``case`` function takes, as its own command line takes them. Every rank runs the cases in order,
 in one process group, with a barrier between them, so no case starts while a peer is still in the
 one before. A 4-rank job's start (5 processes, each importing torch and FSDP) costs about as much
-CPU as its cases, and the test suite runs on 2 cores: run by torch_jobs.batch.
+CPU as its cases, and the test suite runs on 2 cores. Run by ``torch_jobs.Batch``.
 
-A case that raises writes ``<R>: its traceback`` to BATCH_ERRORS (a file named by the launcher)
+A case that raises writes its rank, the case and its traceback to BATCH_ERRORS (a file named by the launcher)
 and ends its rank (exit 1): the ranks may be inside different collectives by then, so no later
 case runs, and their tests fail on the verdicts they lack, with that traceback.
 """

@@ -103,21 +103,18 @@ def numba_target() -> dict[str, Any]:
 
 
 def vector_bits_used() -> int | None:
-    """The widest vector register in the code numba makes here for a loop like the kernels' (a
-    float32 array's squares summed in float64): LLVM's tuning for a CPU may use narrower vectors
+    """The widest vector register in the code numba makes here for the float32 sum of squares
+    (``gclip._jit.sumsq``): LLVM's tuning for a CPU may use narrower vectors
     than the CPU has (256-bit on Intel's AVX-512 server cores). None where it cannot be read."""
     try:
         import numba
         import numpy as np
 
-        @numba.njit(fastmath={"reassoc", "contract"}, cache=False)
-        def probe(x):  # gclip._jit.sumsq's loop, compiled afresh (cached code has no assembly)
-            s = 0.0
-            for i in range(x.size):
-                v = np.float64(x[i])
-                s += v * v
-            return s
+        from .. import _jit
 
+        # the kernel's own loop and flags, compiled afresh: cached code has no assembly
+        flags = {k: v for k, v in _jit.sumsq.targetoptions.items() if k != "nopython"}  # njit's own
+        probe = numba.njit(**flags, cache=False)(_jit.sumsq.py_func)
         probe(np.zeros(1, np.float32))
         asm = "\n".join(probe.inspect_asm().values())
     except Exception:  # noqa: BLE001 - an unknown answer, not a failed bench
